@@ -1,0 +1,17 @@
+//! kvq-cache: the `KvCache` trait every attention layer talks to, the cache methods and the registry that maps method names to factories.
+//!
+//! Invariant: a model hands a cache its new keys (after RoPE) and values, then asks the cache for the
+//! attention output of its queries. The cache owns attention, so a compressed method can score keys
+//! without ever materializing them in fp16.
+
+pub mod attention;
+pub mod error;
+pub mod methods;
+pub mod registry;
+pub mod traits;
+
+pub use error::CacheError;
+pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
+pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};
+
+pub type Result<T> = std::result::Result<T, CacheError>;

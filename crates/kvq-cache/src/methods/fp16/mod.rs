@@ -1,0 +1,272 @@
+//! fp16: the baseline cache. Keys and values in f16, held in fixed-size blocks allocated as the
+//! sequence grows (never a concatenation per token); attention exact up to f16 rounding.
+
+use crate::attention::{axpy, dot, softmax_in_place, window_start};
+use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::{CacheError, Result};
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Positions per allocated block.
+pub const BLOCK_TOKENS: usize = 256;
+
+/// Query rows at or below this count take the direct decode loop; more use batched matmuls.
+const DECODE_MAX_ROWS: usize = 8;
+
+/// Builds [`Fp16Cache`]s.
+#[derive(Debug, Default, Clone)]
+pub struct Fp16Factory;
+
+impl CacheFactory for Fp16Factory {
+    fn method(&self) -> &str {
+        "fp16"
+    }
+
+    fn create(&self, _layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
+        Ok(Box::new(Fp16Cache::new(*geom)))
+    }
+}
+
+/// One block: `[n_kv_heads, BLOCK_TOKENS, head_dim]` keys and values.
+struct Block {
+    k: Vec<f16>,
+    v: Vec<f16>,
+}
+
+/// The fp16 cache of one layer.
+pub struct Fp16Cache {
+    geom: CacheGeometry,
+    blocks: Vec<Block>,
+    len: usize,
+}
+
+impl Fp16Cache {
+    /// An empty cache; memory is allocated block by block on append.
+    pub fn new(geom: CacheGeometry) -> Self {
+        Self {
+            geom,
+            blocks: Vec::new(),
+            len: 0,
+        }
+    }
+
+    fn block_elems(&self) -> usize {
+        self.geom.n_kv_heads * BLOCK_TOKENS * self.geom.head_dim
+    }
+
+    /// Offset of (head, slot) inside a block.
+    #[inline]
+    fn offset(&self, head: usize, slot: usize) -> usize {
+        (head * BLOCK_TOKENS + slot) * self.geom.head_dim
+    }
+
+    /// Copies head `h`'s keys or values of positions `0..len` into `out` as f32 `[len, d]`.
+    fn gather_head(&self, h: usize, keys: bool, out: &mut [f32]) {
+        let d = self.geom.head_dim;
+        for (b, block) in self.blocks.iter().enumerate() {
+            let first = b * BLOCK_TOKENS;
+            if first >= self.len {
+                break;
+            }
+            let n = (self.len - first).min(BLOCK_TOKENS);
+            let src = if keys { &block.k } else { &block.v };
+            let o = self.offset(h, 0);
+            src[o..o + n * d].convert_to_f32_slice(&mut out[first * d..(first + n) * d]);
+        }
+    }
+
+    /// Direct attention for a few query rows: scores, softmax, values, block by block.
+    fn attend_rows(&self, q: &[f32], t: usize, scale: f32) -> Vec<f32> {
+        let CacheGeometry {
+            n_heads,
+            n_kv_heads,
+            head_dim: d,
+            sliding_window,
+            ..
+        } = self.geom;
+        let group = n_heads / n_kv_heads;
+        let mut out = vec![0f32; n_heads * t * d];
+        let mut scores = vec![0f32; self.len];
+        let mut row = vec![0f32; BLOCK_TOKENS * d];
+        for h in 0..n_heads {
+            let kh = h / group;
+            for r in 0..t {
+                let pos = self.len - t + r;
+                let start = window_start(pos, sliding_window);
+                let qrow = &q[(h * t + r) * d..(h * t + r + 1) * d];
+                self.for_each_block(kh, true, start, pos, &mut row, |j, x| {
+                    scores[j] = dot(qrow, x) * scale;
+                });
+                softmax_in_place(&mut scores[start..=pos]);
+                let orow = &mut out[(h * t + r) * d..(h * t + r + 1) * d];
+                self.for_each_block(kh, false, start, pos, &mut row, |j, x| {
+                    axpy(orow, scores[j], x);
+                });
+            }
+        }
+        out
+    }
+
+    /// Calls `f(position, row)` for positions `start..=end` of kv head `kh`, converting a block at a time.
+    fn for_each_block(
+        &self,
+        kh: usize,
+        keys: bool,
+        start: usize,
+        end: usize,
+        scratch: &mut [f32],
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        let d = self.geom.head_dim;
+        let mut j = start;
+        while j <= end {
+            let b = j / BLOCK_TOKENS;
+            let first = j % BLOCK_TOKENS;
+            let n = (BLOCK_TOKENS - first).min(end + 1 - j);
+            let block = &self.blocks[b];
+            let src = if keys { &block.k } else { &block.v };
+            let o = self.offset(kh, first);
+            src[o..o + n * d].convert_to_f32_slice(&mut scratch[..n * d]);
+            for i in 0..n {
+                f(j + i, &scratch[i * d..(i + 1) * d]);
+            }
+            j += n;
+        }
+    }
+
+    /// Batched attention for many query rows (prefill): f32 matmuls over the gathered cache.
+    fn attend_matmul(&self, q: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
+        let CacheGeometry {
+            n_heads,
+            n_kv_heads,
+            head_dim: d,
+            sliding_window,
+            ..
+        } = self.geom;
+        let group = n_heads / n_kv_heads;
+        let len = self.len;
+        let mut kbuf = vec![0f32; n_kv_heads * len * d];
+        let mut vbuf = vec![0f32; n_kv_heads * len * d];
+        for h in 0..n_kv_heads {
+            self.gather_head(h, true, &mut kbuf[h * len * d..(h + 1) * len * d]);
+            self.gather_head(h, false, &mut vbuf[h * len * d..(h + 1) * len * d]);
+        }
+        let dev = q.device();
+        let k = Tensor::from_vec(kbuf, (n_kv_heads, len, d), dev)?;
+        let v = Tensor::from_vec(vbuf, (n_kv_heads, len, d), dev)?;
+        let q = q.reshape((n_kv_heads, group * t, d))?;
+        let scores = (q.matmul(&k.t()?)? * scale as f64)?;
+        let mask = causal_mask(t, len, sliding_window, dev)?;
+        let scores = scores
+            .reshape((n_kv_heads, group, t, len))?
+            .broadcast_add(&mask)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.reshape((n_kv_heads, group * t, len))?.matmul(&v)?;
+        Ok(out.reshape((n_heads, t, d))?)
+    }
+}
+
+/// `[t, len]` additive mask: 0 where query row r (at position len - t + r) may see key j, else -inf.
+pub fn causal_mask(t: usize, len: usize, window: Option<usize>, dev: &Device) -> Result<Tensor> {
+    let mut m = vec![0f32; t * len];
+    for r in 0..t {
+        let pos = len - t + r;
+        let start = window_start(pos, window);
+        for (j, x) in m[r * len..(r + 1) * len].iter_mut().enumerate() {
+            if j > pos || j < start {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Ok(Tensor::from_vec(m, (t, len), dev)?)
+}
+
+/// Checks `[heads, t, d]` and returns t.
+pub(crate) fn check_shape(x: &Tensor, heads: usize, d: usize, what: &str) -> Result<usize> {
+    match x.dims() {
+        &[h, t, dd] if h == heads && dd == d => Ok(t),
+        dims => Err(CacheError::Shape(format!(
+            "{what}: expected [{heads}, t, {d}], got {dims:?}"
+        ))),
+    }
+}
+
+impl KvCache for Fp16Cache {
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
+        let t = check_shape(k, kvh, d, "keys")?;
+        if check_shape(v, kvh, d, "values")? != t {
+            return Err(CacheError::Shape("keys and values differ in length".into()));
+        }
+        if self.len + t > self.geom.max_tokens {
+            return Err(CacheError::Shape(format!(
+                "cache holds at most {} positions",
+                self.geom.max_tokens
+            )));
+        }
+        let kd = k.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?;
+        let vd = v.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?;
+        let elems = self.block_elems();
+        for i in 0..t {
+            let pos = self.len + i;
+            let (b, slot) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
+            if b == self.blocks.len() {
+                self.blocks.push(Block {
+                    k: vec![f16::ZERO; elems],
+                    v: vec![f16::ZERO; elems],
+                });
+            }
+            for h in 0..kvh {
+                let src = (h * t + i) * d;
+                let dst = self.offset(h, slot);
+                self.blocks[b].k[dst..dst + d].copy_from_slice(&kd[src..src + d]);
+                self.blocks[b].v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
+            }
+        }
+        self.len += t;
+        Ok(())
+    }
+
+    fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
+        let t = check_shape(q, self.geom.n_heads, self.geom.head_dim, "queries")?;
+        if t > self.len {
+            return Err(CacheError::Shape(format!(
+                "{t} queries but only {} cached positions",
+                self.len
+            )));
+        }
+        if t > DECODE_MAX_ROWS {
+            return self.attend_matmul(&q.contiguous()?, t, scale);
+        }
+        let qv = q.flatten_all()?.to_vec1::<f32>()?;
+        let out = self.attend_rows(&qv, t, scale);
+        Ok(Tensor::from_vec(out, q.dims(), q.device())?)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.blocks
+            .iter()
+            .map(|b| (b.k.capacity() + b.v.capacity()) * std::mem::size_of::<f16>())
+            .sum()
+    }
+
+    fn truncate(&mut self, n: usize) -> Result<()> {
+        if n < self.len {
+            self.len = n;
+            self.blocks.truncate(n.div_ceil(BLOCK_TOKENS));
+        }
+        Ok(())
+    }
+
+    fn method(&self) -> &str {
+        "fp16"
+    }
+}
+
+#[cfg(test)]
+mod tests;

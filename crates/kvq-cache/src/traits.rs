@@ -1,0 +1,108 @@
+//! The cache boundary: `KvCache` (one layer of one sequence) and `CacheFactory` (builds them).
+
+use crate::Result;
+use candle_core::Tensor;
+
+/// The attention geometry of one layer, as the model sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheGeometry {
+    /// Number of query heads.
+    pub n_heads: usize,
+    /// Number of key/value heads (GQA/MQA when smaller than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Sliding attention window in tokens, if this layer has one.
+    pub sliding_window: Option<usize>,
+    /// Most tokens this sequence may ever hold (the model's context length).
+    pub max_tokens: usize,
+}
+
+/// The KV cache of one layer of one sequence. Models see only this trait.
+///
+/// Tensors are f32 on the cache's device:
+/// - `append(k, v)`: `k`, `v` are `[n_kv_heads, t, head_dim]`, keys already rotated (RoPE).
+/// - `attend(q, scale)`: `q` is `[n_heads, t, head_dim]`, the queries of the last `t` appended
+///   positions; the result `[n_heads, t, head_dim]` is causal attention over everything held.
+pub trait KvCache: Send {
+    /// Appends the keys and values of `t` new positions.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()>;
+    /// Causal attention of the last `t` positions' queries over the cached keys and values.
+    fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor>;
+    /// Number of positions appended so far (including ones a sliding window no longer attends).
+    fn len(&self) -> usize;
+    /// True when nothing has been appended.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Bytes this cache really holds (its allocated buffers), not an estimate from `len`.
+    fn resident_bytes(&self) -> usize;
+    /// Drops every position at or after `n`.
+    fn truncate(&mut self, n: usize) -> Result<()>;
+    /// The method name, as the registry knows it.
+    fn method(&self) -> &str;
+}
+
+/// Builds the per-layer caches of one method with one configuration.
+pub trait CacheFactory: Send + Sync {
+    /// The method name, e.g. `fp16`.
+    fn method(&self) -> &str;
+    /// A fresh cache for layer `layer` with geometry `geom`.
+    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>>;
+}
+
+/// All layers' caches of one sequence.
+pub struct LayerCaches {
+    layers: Vec<Box<dyn KvCache>>,
+    method: String,
+}
+
+impl LayerCaches {
+    /// One cache per layer from `factory`; `geoms[i]` is layer i's geometry.
+    pub fn new(factory: &dyn CacheFactory, geoms: &[CacheGeometry]) -> Result<Self> {
+        let layers = geoms
+            .iter()
+            .enumerate()
+            .map(|(i, g)| factory.create(i, g))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            method: factory.method().to_string(),
+        })
+    }
+
+    /// The cache of layer `i`.
+    pub fn layer(&mut self, i: usize) -> &mut dyn KvCache {
+        self.layers[i].as_mut()
+    }
+
+    /// Positions held (every layer holds the same number).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    /// True when nothing has been appended.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sum of the layers' resident bytes.
+    pub fn resident_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
+
+    /// Truncates every layer to `n` positions.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|l| l.truncate(n))
+    }
+
+    /// The method name.
+    pub fn method(&self) -> &str {
+        &self.method
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+}

@@ -1,0 +1,17 @@
+//! kvq-engine: turns requests into streams of tokens. Owns the model on a worker thread, schedules
+//! every running sequence (continuous batching), samples, detokenizes, matches stop strings and
+//! frees a sequence's cache the moment its client goes away.
+
+pub mod engine;
+pub mod error;
+pub mod request;
+pub mod sampling;
+pub mod stop;
+mod worker;
+
+pub use engine::{Engine, EngineConfig, EngineStats};
+pub use error::EngineError;
+pub use request::{
+    FinishReason, GenerationEvent, GenerationRequest, GenerationStream, LogprobInfo,
+    SamplingParams, TopLogprob, Usage,
+};

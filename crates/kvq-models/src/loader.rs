@@ -1,0 +1,145 @@
+//! Finds and loads a model: a GGUF file or a Hugging Face directory, into a `LoadedModel`.
+
+use crate::model::{GgufWeights, Model, ModelConfig, SafetensorsWeights};
+use crate::{ChatTemplate, ModelError, Result, Tokenizer};
+use candle_core::Device;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What the server and the engine need to know about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id clients use (`model` field): the file stem or directory name.
+    pub id: String,
+    /// Architecture name, e.g. `llama`.
+    pub architecture: String,
+    /// Maximum positions (prompt + generated).
+    pub context_length: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    /// Where it was loaded from.
+    pub source: PathBuf,
+}
+
+/// A model ready to run.
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: ChatTemplate,
+    pub info: ModelInfo,
+}
+
+/// The default model: SmolLM2-135M-Instruct Q4_1 in `$KVQ_MODELS_DIR`, else `./models`.
+pub fn default_model_path() -> PathBuf {
+    let dir = std::env::var_os("KVQ_MODELS_DIR")
+        .map_or_else(|| PathBuf::from("models"), PathBuf::from);
+    dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// Loads a GGUF file or a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
+/// `progress(done, total)` reports layers loaded.
+pub fn load(path: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
+    let device = Device::Cpu;
+    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    if meta.is_dir() {
+        load_hf_dir(path, &device, progress)
+    } else {
+        load_gguf(path, &device, progress)
+    }
+}
+
+fn info(cfg: &ModelConfig, id: String, source: &Path) -> ModelInfo {
+    ModelInfo {
+        id,
+        architecture: cfg.architecture.clone(),
+        context_length: cfg.context_length,
+        n_layers: cfg.n_layers,
+        n_heads: cfg.n_heads,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        vocab_size: cfg.vocab_size,
+        source: source.to_path_buf(),
+    }
+}
+
+fn template_or_chatml(source: Option<&str>, tok: &Tokenizer) -> Result<ChatTemplate> {
+    match source {
+        Some(src) => ChatTemplate::new(src, tok.bos_token(), tok.eos_token()),
+        None => {
+            tracing::warn!("the model has no chat template; using ChatML");
+            Ok(ChatTemplate::chatml())
+        }
+    }
+}
+
+fn load_gguf(path: &Path, device: &Device, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
+    let mut weights = GgufWeights::open(path, device)?;
+    let cfg = ModelConfig::from_gguf(weights.content())?;
+    let tokenizer = Tokenizer::from_gguf(weights.content())?;
+    let template_src = weights
+        .content()
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .cloned();
+    let template = template_or_chatml(template_src.as_deref(), &tokenizer)?;
+    let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
+    let id = path
+        .file_stem()
+        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    Ok(LoadedModel {
+        model,
+        tokenizer: Arc::new(tokenizer),
+        template,
+        info: info(&cfg, id, path),
+    })
+}
+
+fn load_hf_dir(dir: &Path, device: &Device, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
+    let read = |name: &str| -> Result<String> {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(|e| ModelError::io(&p, e))
+    };
+    let cfg = ModelConfig::from_hf_json(&read("config.json")?)?;
+    let tok_cfg = dir.join("tokenizer_config.json");
+    let tok_cfg = tok_cfg.exists().then_some(tok_cfg);
+    let tokenizer = Tokenizer::from_hf_files(&dir.join("tokenizer.json"), tok_cfg.as_deref())?;
+    let template_src = match &tok_cfg {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Invalid(format!("{}: {e}", p.display())))?;
+            v.get("chat_template")
+                .and_then(|t| t.as_str())
+                .map(str::to_string)
+        }
+        None => None,
+    };
+    let template = template_or_chatml(template_src.as_deref(), &tokenizer)?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Invalid(format!(
+            "{} has no *.safetensors files",
+            dir.display()
+        )));
+    }
+    let mut weights = SafetensorsWeights::open(&files, device)?;
+    let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
+    let id = dir
+        .file_name()
+        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    Ok(LoadedModel {
+        model,
+        tokenizer: Arc::new(tokenizer),
+        template,
+        info: info(&cfg, id, dir),
+    })
+}

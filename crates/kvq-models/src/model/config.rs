@@ -1,0 +1,194 @@
+//! Architecture hyperparameters, read from GGUF metadata or a Hugging Face `config.json`.
+
+use crate::{ModelError, Result};
+use candle_core::quantized::gguf_file;
+use serde::Deserialize;
+
+/// Everything the model definition needs to know about its shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Architecture family, e.g. `llama`.
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f64,
+    /// True when the q/k weights are laid out for interleaved (GPT-J style) rotary pairs, as
+    /// llama.cpp's converter permutes them; false for Hugging Face's rotate-half layout.
+    pub rope_interleaved: bool,
+    /// Sliding attention window, if the architecture has one.
+    pub sliding_window: Option<usize>,
+}
+
+fn md<'a>(c: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
+    c.metadata
+        .get(key)
+        .ok_or_else(|| ModelError::Invalid(format!("GGUF metadata lacks '{key}'")))
+}
+
+fn md_usize(c: &gguf_file::Content, key: &str) -> Result<usize> {
+    let v = md(c, key)?;
+    v.to_u64()
+        .map(|x| x as usize)
+        .or_else(|_| v.to_u32().map(|x| x as usize))
+        .or_else(|_| v.to_i32().map(|x| x as usize))
+        .map_err(|e| ModelError::Invalid(format!("GGUF '{key}': {e}")))
+}
+
+fn md_f32(c: &gguf_file::Content, key: &str) -> Result<f32> {
+    md(c, key)?
+        .to_f32()
+        .map_err(|e| ModelError::Invalid(format!("GGUF '{key}': {e}")))
+}
+
+impl ModelConfig {
+    /// Reads the hyperparameters of a GGUF file.
+    pub fn from_gguf(c: &gguf_file::Content) -> Result<Self> {
+        let arch = md(c, "general.architecture")?
+            .to_string()
+            .map_err(|e| ModelError::Invalid(e.to_string()))?
+            .clone();
+        if arch != "llama" {
+            return Err(ModelError::Unsupported(arch));
+        }
+        let p = |k: &str| format!("{arch}.{k}");
+        let hidden_size = md_usize(c, &p("embedding_length"))?;
+        let n_heads = md_usize(c, &p("attention.head_count"))?;
+        let n_kv_heads = md_usize(c, &p("attention.head_count_kv")).unwrap_or(n_heads);
+        let head_dim = md_usize(c, &p("rope.dimension_count")).unwrap_or(hidden_size / n_heads);
+        let vocab_size = match c.metadata.get("tokenizer.ggml.tokens") {
+            Some(gguf_file::Value::Array(v)) => v.len(),
+            _ => md_usize(c, &p("vocab_size"))?,
+        };
+        let cfg = Self {
+            architecture: arch.clone(),
+            hidden_size,
+            intermediate_size: md_usize(c, &p("feed_forward_length"))?,
+            n_layers: md_usize(c, &p("block_count"))?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size,
+            context_length: md_usize(c, &p("context_length"))?,
+            rope_theta: md_f32(c, &p("rope.freq_base")).unwrap_or(10_000.0),
+            rms_norm_eps: md_f32(c, &p("attention.layer_norm_rms_epsilon"))? as f64,
+            rope_interleaved: true,
+            sliding_window: None,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        let hf: HfConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::Invalid(format!("config.json: {e}")))?;
+        let arch = hf
+            .architectures
+            .first()
+            .cloned()
+            .unwrap_or_else(|| hf.model_type.clone().unwrap_or_default());
+        let family = match arch.as_str() {
+            "LlamaForCausalLM" | "llama" => "llama",
+            other => return Err(ModelError::Unsupported(other.to_string())),
+        };
+        if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            tracing::warn!("config.json has rope_scaling, which kvq ignores for now");
+        }
+        let n_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        let cfg = Self {
+            architecture: family.to_string(),
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            n_layers: hf.num_hidden_layers,
+            n_heads: hf.num_attention_heads,
+            n_kv_heads,
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            vocab_size: hf.vocab_size,
+            context_length: hf.max_position_embeddings,
+            rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            rope_interleaved: false,
+            sliding_window: None,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(ModelError::Invalid(m.to_string()));
+        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad("head counts must be positive and heads a multiple of kv heads");
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad("head_dim must be positive and even");
+        }
+        if self.n_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return bad("layers, hidden size and vocabulary must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    max_position_embeddings: usize,
+    rope_theta: Option<f32>,
+    rms_norm_eps: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_config_parses_llama() {
+        let c = ModelConfig::from_hf_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,
+            "max_position_embeddings":256,"rope_theta":100000.0,"rms_norm_eps":1e-5}"#,
+        )
+        .unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.n_kv_heads, 2);
+        assert!(!c.rope_interleaved);
+    }
+
+    #[test]
+    fn hf_config_rejects_unknown_arch_and_bad_heads() {
+        let base = r#""hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"vocab_size":100,"max_position_embeddings":256"#;
+        let unknown = format!(
+            r#"{{"architectures":["GPTNeoX"],"num_attention_heads":4,{base}}}"#
+        );
+        assert!(matches!(
+            ModelConfig::from_hf_json(&unknown),
+            Err(ModelError::Unsupported(_))
+        ));
+        let bad = format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"num_attention_heads":4,"num_key_value_heads":3,{base}}}"#
+        );
+        assert!(matches!(
+            ModelConfig::from_hf_json(&bad),
+            Err(ModelError::Invalid(_))
+        ));
+    }
+}

@@ -1,0 +1,234 @@
+//! The decoder-only transformer (Llama family): one definition for quantized and dense weights,
+//! batched over sequences, with attention delegated to each sequence's `KvCache`.
+
+pub mod config;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use weights::{Embedding, GgufWeights, Linear, SafetensorsWeights, WeightSource};
+
+use crate::{ModelError, Result};
+use candle_core::{D, DType, Device, Tensor};
+use kvq_cache::{CacheFactory, CacheGeometry, LayerCaches};
+
+/// One decoder layer's weights.
+struct Layer {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A sequence's share of a batched forward pass.
+pub struct SeqStep<'a> {
+    /// New tokens to run (a prompt chunk or one generated token).
+    pub tokens: &'a [u32],
+    /// The sequence's caches; the tokens go at positions `cache.len()..`.
+    pub cache: &'a mut LayerCaches,
+    /// Logits for every new position (perplexity) instead of only the last one.
+    pub all_logits: bool,
+}
+
+/// A loaded decoder-only model.
+pub struct Model {
+    cfg: ModelConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    output: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+impl Model {
+    /// Builds the model from `weights`; `progress(done, total)` after each layer.
+    pub fn load(
+        cfg: ModelConfig,
+        weights: &mut dyn WeightSource,
+        device: &Device,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let total = cfg.n_layers as u64 + 2;
+        let embed = weights.embedding("token_embd.weight")?;
+        progress(1, total);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = |n: &str| format!("blk.{i}.{n}");
+            layers.push(Layer {
+                attn_norm: weights.dense(&p("attn_norm.weight"))?,
+                wq: weights.linear(&p("attn_q"))?,
+                wk: weights.linear(&p("attn_k"))?,
+                wv: weights.linear(&p("attn_v"))?,
+                wo: weights.linear(&p("attn_output"))?,
+                ffn_norm: weights.dense(&p("ffn_norm.weight"))?,
+                gate: weights.linear(&p("ffn_gate"))?,
+                up: weights.linear(&p("ffn_up"))?,
+                down: weights.linear(&p("ffn_down"))?,
+            });
+            progress(i as u64 + 2, total);
+        }
+        let norm = weights.dense("output_norm.weight")?;
+        let output = if weights.contains("output.weight") {
+            weights.linear("output")?
+        } else {
+            embed.as_linear()?
+        };
+        let (cos, sin) = rope_tables(&cfg, device)?;
+        progress(total, total);
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            output,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The attention geometry of each layer, for building caches.
+    pub fn cache_geometries(&self) -> Vec<CacheGeometry> {
+        (0..self.cfg.n_layers)
+            .map(|_| CacheGeometry {
+                n_heads: self.cfg.n_heads,
+                n_kv_heads: self.cfg.n_kv_heads,
+                head_dim: self.cfg.head_dim,
+                sliding_window: self.cfg.sliding_window,
+                max_tokens: self.cfg.context_length,
+            })
+            .collect()
+    }
+
+    /// Fresh caches for one sequence, built by `factory`.
+    pub fn new_caches(&self, factory: &dyn CacheFactory) -> Result<LayerCaches> {
+        Ok(LayerCaches::new(factory, &self.cache_geometries())?)
+    }
+
+    /// Runs every sequence's new tokens through the model in one batch: the dense work
+    /// (projections, MLP, output) on all rows together, attention per sequence in its cache.
+    /// Returns each sequence's logits, `[1, vocab]` (or `[t, vocab]` with `all_logits`), in f32.
+    pub fn forward(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<Tensor>> {
+        let cfg = &self.cfg;
+        let mut ids = Vec::new();
+        let mut spans = Vec::with_capacity(steps.len());
+        for s in steps.iter() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::Invalid("a step with no tokens".into()));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(ModelError::Invalid(format!("token id {bad} is out of vocabulary")));
+            }
+            let pos = s.cache.len();
+            if pos + s.tokens.len() > cfg.context_length {
+                return Err(ModelError::Invalid(format!(
+                    "{} positions exceed the context length {}",
+                    pos + s.tokens.len(),
+                    cfg.context_length
+                )));
+            }
+            spans.push((ids.len(), s.tokens.len(), pos));
+            ids.extend_from_slice(s.tokens);
+        }
+        let n = ids.len();
+        let ids = Tensor::from_vec(ids, n, &self.device)?;
+        let mut x = self.embed.forward(&ids)?;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
+            let q = layer.wq.forward(&h)?;
+            let k = layer.wk.forward(&h)?;
+            let v = layer.wv.forward(&h)?;
+            let mut outs = Vec::with_capacity(steps.len());
+            for (s, &(off, t, pos)) in steps.iter_mut().zip(&spans) {
+                let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
+                    Ok(x.narrow(0, off, t)?
+                        .reshape((t, n, hd))?
+                        .transpose(0, 1)?
+                        .contiguous()?)
+                };
+                let qi = self.rope(&heads(&q, nh)?, pos, t)?;
+                let ki = self.rope(&heads(&k, nkv)?, pos, t)?;
+                let vi = heads(&v, nkv)?;
+                let cache = s.cache.layer(li);
+                cache.append(&ki, &vi)?;
+                let o = cache.attend(&qi, scale)?;
+                outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
+            }
+            let attn = if outs.len() == 1 {
+                outs.pop().ok_or_else(|| ModelError::Invalid("empty batch".into()))?
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            x = (x + layer.wo.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps as f32)?;
+            let g = candle_nn::ops::silu(&layer.gate.forward(&h)?)?;
+            let m = layer.down.forward(&(g * layer.up.forward(&h)?)?)?;
+            x = (x + m)?;
+        }
+        let mut rows = Vec::new();
+        for (s, &(off, t, _)) in steps.iter().zip(&spans) {
+            if s.all_logits {
+                rows.extend((off..off + t).map(|r| r as u32));
+            } else {
+                rows.push((off + t - 1) as u32);
+            }
+        }
+        let nrows = rows.len();
+        let sel = x.index_select(&Tensor::from_vec(rows, nrows, &self.device)?, 0)?;
+        let sel = candle_nn::ops::rms_norm(&sel, &self.norm, cfg.rms_norm_eps as f32)?;
+        let logits = self.output.forward(&sel)?.to_dtype(DType::F32)?;
+        let mut out = Vec::with_capacity(steps.len());
+        let mut r = 0;
+        for (s, &(_, t, _)) in steps.iter().zip(&spans) {
+            let k = if s.all_logits { t } else { 1 };
+            out.push(logits.narrow(0, r, k)?);
+            r += k;
+        }
+        Ok(out)
+    }
+
+    /// Rotary embedding of `[heads, t, d]` at positions `pos..pos + t`.
+    fn rope(&self, x: &Tensor, pos: usize, t: usize) -> Result<Tensor> {
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let x4 = x.unsqueeze(0)?;
+        let y = if self.cfg.rope_interleaved {
+            candle_nn::rotary_emb::rope_i(&x4, &cos, &sin)?
+        } else {
+            candle_nn::rotary_emb::rope(&x4, &cos, &sin)?
+        };
+        Ok(y.squeeze(0)?)
+    }
+}
+
+/// cos/sin tables `[context, head_dim / 2]`.
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let t = Tensor::arange(0u32, cfg.context_length as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((cfg.context_length, 1))?;
+    let freqs = t.broadcast_mul(&inv)?;
+    Ok((freqs.cos()?.contiguous()?, freqs.sin()?.contiguous()?))
+}
+
+/// Log-softmax over the last dimension.
+pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::log_softmax(logits, D::Minus1)?)
+}

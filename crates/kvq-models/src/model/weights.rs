@@ -1,0 +1,253 @@
+//! Where weights come from: GGUF (quantized, kept quantized) or safetensors (f32/f16/bf16, held as
+//! f32), behind one `WeightSource` so a single model definition serves both.
+
+use crate::{ModelError, Result};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
+use candle_core::{DType, Device, Module, Tensor};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A linear layer `y = x W^T (+ b)` whose weight may be quantized.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    w: QMatMul,
+    b: Option<Tensor>,
+}
+
+impl Linear {
+    /// Applies the layer to `[T, in]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.w.forward(x)?;
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// A token embedding table, quantized or dense.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    Quantized(Arc<QTensor>),
+    Dense(Tensor),
+}
+
+impl Embedding {
+    /// Rows for `ids`: `[n] -> [n, hidden]` in f32.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Embedding::Quantized(q) => q.embedding(ids)?.to_dtype(DType::F32)?,
+            Embedding::Dense(t) => t.index_select(ids, 0)?,
+        })
+    }
+
+    /// The same table used as the output projection (tied embeddings).
+    pub fn as_linear(&self) -> Result<Linear> {
+        let w = match self {
+            Embedding::Quantized(q) => QMatMul::from_arc(q.clone())?,
+            Embedding::Dense(t) => QMatMul::Tensor(t.clone()),
+        };
+        Ok(Linear { w, b: None })
+    }
+}
+
+/// Tensors by their GGUF names (`token_embd.weight`, `blk.3.attn_q.weight`, ...).
+pub trait WeightSource {
+    /// True when the tensor exists.
+    fn contains(&self, name: &str) -> bool;
+    /// A linear layer from `{prefix}.weight` and, when present, `{prefix}.bias`.
+    fn linear(&mut self, prefix: &str) -> Result<Linear>;
+    /// A tensor as dense f32 (norm weights, biases).
+    fn dense(&mut self, name: &str) -> Result<Tensor>;
+    /// The embedding table.
+    fn embedding(&mut self, name: &str) -> Result<Embedding>;
+    /// Number of tensors, for progress reports.
+    fn len(&self) -> usize;
+    /// True when the source holds no tensors.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Weights read from a GGUF file; quantized tensors stay quantized.
+pub struct GgufWeights {
+    content: gguf_file::Content,
+    file: std::fs::File,
+    path: PathBuf,
+    device: Device,
+}
+
+impl GgufWeights {
+    /// Opens `path` and reads its header.
+    pub fn open(path: &Path, device: &Device) -> Result<Self> {
+        let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| ModelError::Invalid(format!("{}: {e}", path.display())))?;
+        Ok(Self {
+            content,
+            file,
+            path: path.to_path_buf(),
+            device: device.clone(),
+        })
+    }
+
+    /// The GGUF header: metadata and tensor directory.
+    pub fn content(&self) -> &gguf_file::Content {
+        &self.content
+    }
+
+    fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+        if !self.contains(name) {
+            return Err(ModelError::Invalid(format!(
+                "{} has no tensor '{name}'",
+                self.path.display()
+            )));
+        }
+        Ok(self.content.tensor(&mut self.file, name, &self.device)?)
+    }
+}
+
+impl WeightSource for GgufWeights {
+    fn contains(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    fn linear(&mut self, prefix: &str) -> Result<Linear> {
+        let w = QMatMul::from_qtensor(self.qtensor(&format!("{prefix}.weight"))?)?;
+        let bias = format!("{prefix}.bias");
+        let b = if self.contains(&bias) {
+            Some(self.dense(&bias)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    fn dense(&mut self, name: &str) -> Result<Tensor> {
+        Ok(self.qtensor(name)?.dequantize(&self.device)?)
+    }
+
+    fn embedding(&mut self, name: &str) -> Result<Embedding> {
+        let q = self.qtensor(name)?;
+        Ok(match q.dtype() {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                Embedding::Dense(q.dequantize(&self.device)?)
+            }
+            _ => Embedding::Quantized(Arc::new(q)),
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.content.tensor_infos.len()
+    }
+}
+
+/// Weights read from Hugging Face safetensors files, converted to f32.
+pub struct SafetensorsWeights {
+    st: candle_core::safetensors::MmapedSafetensors,
+    device: Device,
+    count: usize,
+}
+
+impl SafetensorsWeights {
+    /// Memory-maps every `*.safetensors` file in `paths`.
+    pub fn open(paths: &[PathBuf], device: &Device) -> Result<Self> {
+        // SAFETY: the files are memory-mapped read-only; kvq never writes to model files while
+        // serving, and the mapping lives as long as this struct.
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(paths)? };
+        let count = st.tensors().len();
+        Ok(Self {
+            st,
+            device: device.clone(),
+            count,
+        })
+    }
+
+    fn get(&self, gguf_name: &str) -> Result<Tensor> {
+        let hf = hf_name(gguf_name).ok_or_else(|| {
+            ModelError::Invalid(format!("no Hugging Face name for tensor '{gguf_name}'"))
+        })?;
+        let t = self
+            .st
+            .load(&hf, &self.device)
+            .map_err(|e| ModelError::Invalid(format!("tensor '{hf}': {e}")))?;
+        Ok(t.to_dtype(DType::F32)?)
+    }
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn contains(&self, name: &str) -> bool {
+        hf_name(name).is_some_and(|n| self.st.get(&n).is_ok())
+    }
+
+    fn linear(&mut self, prefix: &str) -> Result<Linear> {
+        let w = QMatMul::Tensor(self.get(&format!("{prefix}.weight"))?);
+        let bias = format!("{prefix}.bias");
+        let b = if self.contains(&bias) {
+            Some(self.get(&bias)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
+
+    fn dense(&mut self, name: &str) -> Result<Tensor> {
+        self.get(name)
+    }
+
+    fn embedding(&mut self, name: &str) -> Result<Embedding> {
+        Ok(Embedding::Dense(self.get(name)?))
+    }
+
+    fn len(&self) -> usize {
+        self.count
+    }
+}
+
+/// Maps a GGUF tensor name to its Hugging Face (transformers) name.
+pub fn hf_name(gguf: &str) -> Option<String> {
+    let (stem, suffix) = gguf.rsplit_once('.')?;
+    let top = match stem {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(format!("{t}.{suffix}"));
+    }
+    let rest = stem.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let hf_part = match part {
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf_part}.{suffix}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hf_name;
+
+    #[test]
+    fn maps_gguf_names_to_hf() {
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").as_deref(),
+            Some("model.layers.12.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            hf_name("token_embd.weight").as_deref(),
+            Some("model.embed_tokens.weight")
+        );
+        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(hf_name("blk.1.unknown.weight"), None);
+    }
+}
