@@ -8,7 +8,11 @@ pub enum CacheError {
     UnknownMethod { name: String, valid: Vec<String> },
     /// The method exists but does not take these bits.
     #[error("kv cache method '{method}' does not accept {bits} bits; valid bits: {}", valid.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", "))]
-    InvalidBits { method: String, bits: u8, valid: Vec<u8> },
+    InvalidBits {
+        method: String,
+        bits: u8,
+        valid: Vec<u8>,
+    },
     /// Tensors handed to the cache do not have the geometry it was built for.
     #[error("shape mismatch: {0}")]
     Shape(String),

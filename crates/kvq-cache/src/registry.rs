@@ -1,7 +1,7 @@
 //! The method registry: maps the names a request may use (`x-kv-cache-method`, `kv_cache.method`)
 //! to cache factories, and validates the requested bits.
 
-use crate::methods::fp16::Fp16Factory;
+use crate::methods::dense::DenseFactory;
 use crate::traits::CacheFactory;
 use crate::{CacheError, Result};
 use std::collections::BTreeMap;
@@ -63,7 +63,12 @@ impl CacheRegistry {
             entries: BTreeMap::new(),
             default: "fp16".to_string(),
         };
-        r.register("fp16", vec![16], 16, |_| Ok(Arc::new(Fp16Factory)));
+        r.register("fp16", vec![16], 16, |_| {
+            Ok(Arc::new(DenseFactory::<half::f16>::new()))
+        });
+        r.register("f32", vec![32], 32, |_| {
+            Ok(Arc::new(DenseFactory::<f32>::new()))
+        });
         r
     }
 
@@ -157,8 +162,10 @@ mod tests {
             bits: None,
         };
         let err = r.resolve(&spec).unwrap_err();
-        assert!(matches!(&err, CacheError::UnknownMethod { valid, .. } if valid == &["fp16"]));
-        assert!(err.to_string().contains("valid methods: fp16"));
+        assert!(
+            matches!(&err, CacheError::UnknownMethod { valid, .. } if valid == &["f32", "fp16"])
+        );
+        assert!(err.to_string().contains("valid methods: f32, fp16"));
     }
 
     #[test]

@@ -120,22 +120,52 @@ impl Engine {
         }
         let vocab = self.inner.info.vocab_size;
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(invalid("prompt", format!("token id {bad} is not in the vocabulary (size {vocab})")));
+            return Err(invalid(
+                "prompt",
+                format!("token id {bad} is not in the vocabulary (size {vocab})"),
+            ));
         }
         let s = &req.sampling;
         let checks = [
-            (s.temperature.is_finite() && s.temperature >= 0.0, "temperature", "must be >= 0"),
-            (s.top_p > 0.0 && s.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (s.min_p >= 0.0 && s.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (s.repetition_penalty.is_finite() && s.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
-            (s.frequency_penalty.is_finite(), "frequency_penalty", "must be finite"),
-            (s.presence_penalty.is_finite(), "presence_penalty", "must be finite"),
+            (
+                s.temperature.is_finite() && s.temperature >= 0.0,
+                "temperature",
+                "must be >= 0",
+            ),
+            (
+                s.top_p > 0.0 && s.top_p <= 1.0,
+                "top_p",
+                "must be in (0, 1]",
+            ),
+            (
+                s.min_p >= 0.0 && s.min_p <= 1.0,
+                "min_p",
+                "must be in [0, 1]",
+            ),
+            (
+                s.repetition_penalty.is_finite() && s.repetition_penalty > 0.0,
+                "repetition_penalty",
+                "must be > 0",
+            ),
+            (
+                s.frequency_penalty.is_finite(),
+                "frequency_penalty",
+                "must be finite",
+            ),
+            (
+                s.presence_penalty.is_finite(),
+                "presence_penalty",
+                "must be finite",
+            ),
         ];
         if let Some((_, param, msg)) = checks.iter().find(|c| !c.0) {
             return Err(invalid(param, format!("{param} {msg}")));
         }
         match req.max_tokens {
-            Some(0) => Err(invalid("max_tokens", "max_tokens must be at least 1".into())),
+            Some(0) => Err(invalid(
+                "max_tokens",
+                "max_tokens must be at least 1".into(),
+            )),
             Some(m) if prompt + m > max => Err(EngineError::MaxTokensTooLarge {
                 prompt,
                 max,

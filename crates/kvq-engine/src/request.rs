@@ -69,6 +69,7 @@ pub struct GenerationRequest {
 /// One alternative in `top_logprobs`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TopLogprob {
+    pub id: u32,
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
@@ -77,6 +78,7 @@ pub struct TopLogprob {
 /// The logprob of a generated token and its top alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LogprobInfo {
+    pub id: u32,
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,

@@ -128,7 +128,9 @@ pub fn argmax(x: &[f32]) -> u32 {
 pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln() + max;
-    let chosen_lp = logits.get(chosen as usize).map_or(f32::NEG_INFINITY, |&l| l - lse);
+    let chosen_lp = logits
+        .get(chosen as usize)
+        .map_or(f32::NEG_INFINITY, |&l| l - lse);
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let top = top.min(idx.len());
     if top > 0 && top < idx.len() {
@@ -138,7 +140,10 @@ pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> (f32, Vec<(u32, f32)
     }
     idx.truncate(top);
     idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-    let tops = idx.into_iter().map(|i| (i, logits[i as usize] - lse)).collect();
+    let tops = idx
+        .into_iter()
+        .map(|i| (i, logits[i as usize] - lse))
+        .collect();
     (chosen_lp, tops)
 }
 
@@ -211,7 +216,11 @@ mod tests {
         let (lp, top) = logprobs(&[0.0, 0.0], 1, 2);
         assert!((lp - 0.5f32.ln()).abs() < 1e-6);
         assert_eq!(top.len(), 2);
-        let total: f32 = logprobs(&[1.0, 2.0, 3.0], 0, 3).1.iter().map(|(_, l)| l.exp()).sum();
+        let total: f32 = logprobs(&[1.0, 2.0, 3.0], 0, 3)
+            .1
+            .iter()
+            .map(|(_, l)| l.exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-5);
     }
 }

@@ -10,9 +10,9 @@ use crate::sampling::{Sampler, logprobs};
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, EngineStats};
 use kvq_cache::LayerCaches;
+use kvq_models::Tokenizer;
 use kvq_models::model::{Model, SeqStep};
 use kvq_models::tokenizer::IncrementalDecoder;
-use kvq_models::Tokenizer;
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -242,12 +242,14 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> bool {
     let logprob = lp.map(|(raw, top)| {
         let (chosen, tops) = logprobs(&raw, id, top);
         LogprobInfo {
+            id,
             token: tok.decode(&[id], false).unwrap_or_default(),
             logprob: chosen,
             bytes: tok.token_bytes(id),
             top: tops
                 .into_iter()
                 .map(|(t, l)| TopLogprob {
+                    id: t,
                     token: tok.decode(&[t], false).unwrap_or_default(),
                     logprob: l,
                     bytes: tok.token_bytes(t),

@@ -34,8 +34,8 @@ pub struct LoadedModel {
 
 /// The default model: SmolLM2-135M-Instruct Q4_1 in `$KVQ_MODELS_DIR`, else `./models`.
 pub fn default_model_path() -> PathBuf {
-    let dir = std::env::var_os("KVQ_MODELS_DIR")
-        .map_or_else(|| PathBuf::from("models"), PathBuf::from);
+    let dir =
+        std::env::var_os("KVQ_MODELS_DIR").map_or_else(|| PathBuf::from("models"), PathBuf::from);
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
@@ -75,7 +75,11 @@ fn template_or_chatml(source: Option<&str>, tok: &Tokenizer) -> Result<ChatTempl
     }
 }
 
-fn load_gguf(path: &Path, device: &Device, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
+fn load_gguf(
+    path: &Path,
+    device: &Device,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<LoadedModel> {
     let mut weights = GgufWeights::open(path, device)?;
     let cfg = ModelConfig::from_gguf(weights.content())?;
     let tokenizer = Tokenizer::from_gguf(weights.content())?;
@@ -98,7 +102,11 @@ fn load_gguf(path: &Path, device: &Device, progress: &mut dyn FnMut(u64, u64)) -
     })
 }
 
-fn load_hf_dir(dir: &Path, device: &Device, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
+fn load_hf_dir(
+    dir: &Path,
+    device: &Device,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<LoadedModel> {
     let read = |name: &str| -> Result<String> {
         let p = dir.join(name);
         std::fs::read_to_string(&p).map_err(|e| ModelError::io(&p, e))

@@ -17,7 +17,8 @@ use crate::{ModelError, Result};
 /// vocabulary *and* registered as a special token, [`Tokenizer::eos_token_ids`] includes it:
 /// ChatML (`<|im_end|>`), Llama 3 (`<|eot_id|>`), Gemma (`<end_of_turn>`) and GPT-2 style
 /// end-of-document (`<|endoftext|>`).
-pub const CHAT_END_TOKENS: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"];
+pub const CHAT_END_TOKENS: [&str; 4] =
+    ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"];
 
 /// How a token's string maps back to the bytes it stands for (see [`Tokenizer::token_bytes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +136,10 @@ impl Tokenizer {
         hf::save(self, dir, chat_template)
     }
 
-    pub(crate) fn assemble(mut inner: tokenizers::Tokenizer, spec: TokenizerSpec) -> Result<Tokenizer> {
+    pub(crate) fn assemble(
+        mut inner: tokenizers::Tokenizer,
+        spec: TokenizerSpec,
+    ) -> Result<Tokenizer> {
         // Inference never wants padding or truncation applied behind its back.
         inner.with_padding(None);
         inner
@@ -192,7 +196,9 @@ impl Tokenizer {
             (Some(true), Some(id)) if !inner_adds_bos => BosFix::Prepend(id),
             (Some(false), Some(id)) if inner_adds_bos => BosFix::Strip(id),
             (Some(true), None) => {
-                tracing::warn!("add_bos_token is set but there is no usable BOS token; not adding one");
+                tracing::warn!(
+                    "add_bos_token is set but there is no usable BOS token; not adding one"
+                );
                 BosFix::Keep
             }
             _ => BosFix::Keep,

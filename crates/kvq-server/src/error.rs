@@ -260,7 +260,9 @@ mod tests {
         let (status, headers, v) = json_of(ApiError::invalid("temperature", "too hot")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(
-            headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()),
+            headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
             Some("application/json")
         );
         assert_eq!(
@@ -271,12 +273,19 @@ mod tests {
 
     #[tokio::test]
     async fn model_not_found_is_404() {
-        let (status, _, v) = json_of(ApiError::ModelNotFound { model: "gpt-9".into() }).await;
+        let (status, _, v) = json_of(ApiError::ModelNotFound {
+            model: "gpt-9".into(),
+        })
+        .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert_eq!(v["error"]["code"], "model_not_found");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "model");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("gpt-9")));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("gpt-9"))
+        );
     }
 
     #[tokio::test]
@@ -284,7 +293,12 @@ mod tests {
         let err = ApiError::from_engine(EngineError::Overloaded("queue full".into()), "messages");
         let (status, headers, v) = json_of(err).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(headers.get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        assert_eq!(
+            headers
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
         assert_eq!(v["error"]["type"], "server_error");
         assert_eq!(v["error"]["code"], "overloaded");
     }
@@ -299,7 +313,10 @@ mod tests {
     #[test]
     fn engine_errors_map() {
         let e = ApiError::from_engine(
-            EngineError::ContextLengthExceeded { prompt: 9000, max: 8192 },
+            EngineError::ContextLengthExceeded {
+                prompt: 9000,
+                max: 8192,
+            },
             "prompt",
         );
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
@@ -307,7 +324,11 @@ mod tests {
         assert_eq!(e.code(), Some("context_length_exceeded"));
 
         let e = ApiError::from_engine(
-            EngineError::MaxTokensTooLarge { prompt: 10, max: 100, requested: 1000 },
+            EngineError::MaxTokensTooLarge {
+                prompt: 10,
+                max: 100,
+                requested: 1000,
+            },
             "messages",
         );
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
@@ -322,7 +343,10 @@ mod tests {
     #[test]
     fn cache_errors_map() {
         let e = ApiError::from_cache(
-            CacheError::UnknownMethod { name: "zip".into(), valid: vec!["fp16".into(), "qjl".into()] },
+            CacheError::UnknownMethod {
+                name: "zip".into(),
+                valid: vec!["fp16".into(), "qjl".into()],
+            },
             "kv_cache.method",
         );
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
@@ -334,7 +358,10 @@ mod tests {
 
     #[test]
     fn model_errors_map() {
-        let e = ApiError::from_model(ModelError::Template("roles must alternate".into()), "messages");
+        let e = ApiError::from_model(
+            ModelError::Template("roles must alternate".into()),
+            "messages",
+        );
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.param(), Some("messages"));
         let e = ApiError::from_model(ModelError::Invalid("x".into()), "messages");

@@ -145,9 +145,18 @@ mod tests {
 
     #[test]
     fn wrong_types_name_the_field() {
-        assert_eq!(param_of(r#"{"temperature": "hot"}"#).as_deref(), Some("temperature"));
-        assert_eq!(param_of(r#"{"messages": "hi"}"#).as_deref(), Some("messages"));
-        assert_eq!(param_of(r#"{"max_tokens": 1.5}"#).as_deref(), Some("max_tokens"));
+        assert_eq!(
+            param_of(r#"{"temperature": "hot"}"#).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            param_of(r#"{"messages": "hi"}"#).as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            param_of(r#"{"max_tokens": 1.5}"#).as_deref(),
+            Some("max_tokens")
+        );
         assert_eq!(
             param_of(r#"{"messages": [{"role": 5}]}"#).as_deref(),
             Some("messages[0].role")

@@ -1,1 +1,21 @@
-//! placeholder
+//! kvq-server: the OpenAI-compatible HTTP API over a `kvq_engine::Engine` — routes, wire types,
+//! request validation, errors (mapped to HTTP in one place, `error.rs`), SSE streaming and
+//! Prometheus metrics. The `kvq` binary (`main.rs`, `cli/`) is built on this library.
+
+pub mod cache_select;
+pub mod error;
+pub mod extract;
+pub mod generation;
+pub mod metrics;
+pub mod openai;
+pub mod routes;
+pub mod server;
+pub mod sse;
+pub mod state;
+pub mod validate;
+
+pub use error::ApiError;
+pub use metrics::install_metrics;
+pub use routes::router;
+pub use server::serve;
+pub use state::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};

@@ -1,3 +1,3 @@
 //! The cache methods, one folder each. Adding a method means adding a folder here and registering its factory in `registry.rs`.
 
-pub mod fp16;
+pub mod dense;

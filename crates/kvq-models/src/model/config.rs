@@ -125,10 +125,13 @@ impl ModelConfig {
 
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(ModelError::Invalid(m.to_string()));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad("head counts must be positive and heads a multiple of kv heads");
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad("head_dim must be positive and even");
         }
         if self.n_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
@@ -176,9 +179,7 @@ mod tests {
     #[test]
     fn hf_config_rejects_unknown_arch_and_bad_heads() {
         let base = r#""hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"vocab_size":100,"max_position_embeddings":256"#;
-        let unknown = format!(
-            r#"{{"architectures":["GPTNeoX"],"num_attention_heads":4,{base}}}"#
-        );
+        let unknown = format!(r#"{{"architectures":["GPTNeoX"],"num_attention_heads":4,{base}}}"#);
         assert!(matches!(
             ModelConfig::from_hf_json(&unknown),
             Err(ModelError::Unsupported(_))

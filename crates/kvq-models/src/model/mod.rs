@@ -128,7 +128,9 @@ impl Model {
                 return Err(ModelError::Invalid("a step with no tokens".into()));
             }
             if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(ModelError::Invalid(format!("token id {bad} is out of vocabulary")));
+                return Err(ModelError::Invalid(format!(
+                    "token id {bad} is out of vocabulary"
+                )));
             }
             let pos = s.cache.len();
             if pos + s.tokens.len() > cfg.context_length {
@@ -168,7 +170,8 @@ impl Model {
                 outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
             }
             let attn = if outs.len() == 1 {
-                outs.pop().ok_or_else(|| ModelError::Invalid("empty batch".into()))?
+                outs.pop()
+                    .ok_or_else(|| ModelError::Invalid("empty batch".into()))?
             } else {
                 Tensor::cat(&outs, 0)?
             };

@@ -48,14 +48,22 @@ enum PreKind {
 
 fn pre_kind(pre: Option<&str>) -> PreKind {
     match pre {
-        None | Some("default" | "gpt-2" | "gpt2" | "phi-2" | "olmo" | "roberta-bpe" | "jina-es" | "jina-de") => PreKind::Gpt2,
-        Some("smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b") => {
-            PreKind::DigitsThenGpt2
-        }
-        Some("llama3" | "llama-bpe" | "llama-v3" | "falcon3" | "dbrx" | "smaug-bpe" | "pixtral") => PreKind::Llama3,
+        None
+        | Some(
+            "default" | "gpt-2" | "gpt2" | "phi-2" | "olmo" | "roberta-bpe" | "jina-es" | "jina-de",
+        ) => PreKind::Gpt2,
+        Some(
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b",
+        ) => PreKind::DigitsThenGpt2,
+        Some(
+            "llama3" | "llama-bpe" | "llama-v3" | "falcon3" | "dbrx" | "smaug-bpe" | "pixtral",
+        ) => PreKind::Llama3,
         Some("qwen2" | "deepseek-r1-qwen" | "megrez") => PreKind::Qwen2,
         Some(other) => {
-            tracing::warn!(pre = other, "unknown tokenizer.ggml.pre; using GPT-2 byte-level pre-tokenization");
+            tracing::warn!(
+                pre = other,
+                "unknown tokenizer.ggml.pre; using GPT-2 byte-level pre-tokenization"
+            );
             PreKind::Gpt2
         }
     }
@@ -168,7 +176,9 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, Tokeniz
     let mut user = Vec::new();
     for (tok, ty) in tokens.iter().zip(types.iter()) {
         match *ty {
-            TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN => special.push(AddedToken::from(*tok, true).normalized(false)),
+            TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN => {
+                special.push(AddedToken::from(*tok, true).normalized(false))
+            }
             TOKEN_TYPE_USER_DEFINED => user.push(AddedToken::from(*tok, false).normalized(false)),
             _ => {}
         }
@@ -203,7 +213,9 @@ pub(super) fn build(content: &Content) -> Result<(tokenizers::Tokenizer, Tokeniz
         match bos_template(bos, id) {
             Ok(tp) => {
                 let post: PostProcessorWrapper = match inner.get_post_processor() {
-                    Some(existing) => ProcessorSequence::new(vec![existing.clone(), tp.into()]).into(),
+                    Some(existing) => {
+                        ProcessorSequence::new(vec![existing.clone(), tp.into()]).into()
+                    }
                     None => tp.into(),
                 };
                 inner.with_post_processor(Some(post));
@@ -249,7 +261,8 @@ fn vocab_of(tokens: &[&str]) -> Result<Vocab> {
     let mut vocab = Vocab::with_capacity(tokens.len());
     let mut duplicates = 0usize;
     for (id, tok) in tokens.iter().enumerate() {
-        let id = u32::try_from(id).map_err(|_| ModelError::Invalid("vocabulary too large".into()))?;
+        let id =
+            u32::try_from(id).map_err(|_| ModelError::Invalid("vocabulary too large".into()))?;
         if vocab.contains_key(*tok) {
             duplicates += 1;
         } else {
@@ -264,7 +277,9 @@ fn vocab_of(tokens: &[&str]) -> Result<Vocab> {
 
 fn build_gpt2(content: &Content, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let merges: Merges = get_strings(content, "tokenizer.ggml.merges")?
-        .ok_or_else(|| ModelError::Invalid("GGUF gpt2 tokenizer has no tokenizer.ggml.merges".into()))?
+        .ok_or_else(|| {
+            ModelError::Invalid("GGUF gpt2 tokenizer has no tokenizer.ggml.merges".into())
+        })?
         .into_iter()
         .map(|m| {
             m.split_once(' ')
@@ -281,16 +296,24 @@ fn build_gpt2(content: &Content, tokens: &[&str]) -> Result<tokenizers::Tokenize
 
     let byte_level = |use_regex: bool| ByteLevel::new(false, true, use_regex);
     let split = |re: &str| {
-        Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| tok_err("pre-tokenizer regex", e))
+        Split::new(
+            SplitPattern::Regex(re.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| tok_err("pre-tokenizer regex", e))
     };
     let pre: PreTokenizerWrapper = match kind {
         PreKind::Gpt2 => byte_level(true).into(),
         PreKind::DigitsThenGpt2 => {
             PreSequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
         }
-        PreKind::Llama3 => PreSequence::new(vec![split(LLAMA3_REGEX)?.into(), byte_level(false).into()]).into(),
-        PreKind::Qwen2 => PreSequence::new(vec![split(QWEN2_REGEX)?.into(), byte_level(false).into()]).into(),
+        PreKind::Llama3 => {
+            PreSequence::new(vec![split(LLAMA3_REGEX)?.into(), byte_level(false).into()]).into()
+        }
+        PreKind::Qwen2 => {
+            PreSequence::new(vec![split(QWEN2_REGEX)?.into(), byte_level(false).into()]).into()
+        }
     };
 
     let mut tok = tokenizers::Tokenizer::new(bpe);
@@ -331,7 +354,9 @@ fn build_llama_spm(content: &Content, tokens: &[&str]) -> Result<tokenizers::Tok
     if tokens.contains(&unk.as_str()) {
         builder = builder.unk_token(unk);
     }
-    let bpe = builder.build().map_err(|e| tok_err("building SentencePiece BPE from GGUF", e))?;
+    let bpe = builder
+        .build()
+        .map_err(|e| tok_err("building SentencePiece BPE from GGUF", e))?;
 
     let add_space = get_bool(content, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
     let replace = || Replace::new(" ", "\u{2581}").map_err(|e| tok_err("normalizer", e));
@@ -341,8 +366,11 @@ fn build_llama_spm(content: &Content, tokens: &[&str]) -> Result<tokenizers::Tok
     }
     normalizers.push(replace()?.into());
     let unreplace = Replace::new("\u{2581}", " ").map_err(|e| tok_err("decoder", e))?;
-    let mut decoders: Vec<DecoderWrapper> =
-        vec![unreplace.into(), ByteFallback::new().into(), Fuse::new().into()];
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        unreplace.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
     if add_space {
         decoders.push(Strip::new(' ', 1, 0).into());
     }
@@ -370,7 +398,12 @@ fn merges_from_scores(tokens: &[&str], scores: &[f32], vocab: &Vocab) -> Merges 
             }
         }
     }
-    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)));
+    ranked.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then(a.2.cmp(&b.2))
+            .then(a.3.cmp(&b.3))
+    });
     let mut seen = HashSet::new();
     ranked
         .into_iter()

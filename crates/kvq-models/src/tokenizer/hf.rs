@@ -27,7 +27,8 @@ fn template_str(v: Option<&Json>) -> Option<String> {
         Json::String(s) => Some(s.clone()),
         Json::Array(list) => {
             let named = |want: Option<&str>| {
-                list.iter().find(|t| want.is_none_or(|w| t.get("name").and_then(Json::as_str) == Some(w)))
+                list.iter()
+                    .find(|t| want.is_none_or(|w| t.get("name").and_then(Json::as_str) == Some(w)))
             };
             named(Some("default"))
                 .or_else(|| named(None))
@@ -42,7 +43,11 @@ fn template_str(v: Option<&Json>) -> Option<String> {
 /// `eos_token_id` / `bos_token_id` in generation_config.json or config.json: an int or a list of ints.
 fn ids(v: Option<&Json>) -> Vec<u32> {
     match v {
-        Some(Json::Number(n)) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
+        Some(Json::Number(n)) => n
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .into_iter()
+            .collect(),
         Some(Json::Array(list)) => list
             .iter()
             .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
@@ -72,7 +77,8 @@ pub(super) fn load(
     if spec.chat_template.is_none() {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            spec.chat_template = Some(std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?);
+            spec.chat_template =
+                Some(std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?);
         }
     }
 
@@ -109,7 +115,11 @@ pub(super) fn save(tok: &Tokenizer, dir: &Path, chat_template: Option<&str>) -> 
     put("add_bos_token", tok.adds_bos.into());
     put("add_eos_token", false.into());
     put("clean_up_tokenization_spaces", false.into());
-    for (key, token) in [("bos_token", &tok.bos), ("eos_token", &tok.eos), ("pad_token", &tok.pad)] {
+    for (key, token) in [
+        ("bos_token", &tok.bos),
+        ("eos_token", &tok.eos),
+        ("pad_token", &tok.pad),
+    ] {
         if let Some((name, _)) = token {
             put(key, name.clone().into());
         }

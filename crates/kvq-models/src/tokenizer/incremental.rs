@@ -82,10 +82,13 @@ impl IncrementalDecoder {
 
     /// (decode of the emitted context, decode of context plus pending ids).
     fn window(&self) -> Result<(String, String)> {
-        let prefix = self
+        let prefix = self.tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
+        let text = self
             .tok
-            .decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
-        let text = self.tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+            .decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         Ok((prefix, text))
     }
 }

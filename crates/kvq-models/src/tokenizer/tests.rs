@@ -29,10 +29,14 @@ fn smollm2() -> Option<Tokenizer> {
     smollm2_content().map(|c| Tokenizer::from_gguf(&c).unwrap())
 }
 
-const CHAT_PROMPT: &str = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-const CHAT_IDS: [u32; 16] = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198];
+const CHAT_PROMPT: &str =
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+const CHAT_IDS: [u32; 16] = [
+    1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+];
 const STORY_IDS: [u32; 20] = [
-    28, 260, 2240, 282, 23324, 27108, 436, 253, 15114, 39228, 28, 351, 25854, 41658, 284, 14055, 9018, 30, 1249, 347,
+    28, 260, 2240, 282, 23324, 27108, 436, 253, 15114, 39228, 28, 351, 25854, 41658, 284, 14055,
+    9018, 30, 1249, 347,
 ];
 const STORY: &str = ", the city of Nova Haven was a thriving metropolis, with towering skyscrapers and bustling streets. But as";
 const MIXED: &str = "héllo 世界 🎉 naïve — ünïcödé ∑x² 👩‍👩‍👧 done";
@@ -40,9 +44,13 @@ const MIXED: &str = "héllo 世界 🎉 naïve — ünïcödé ∑x² 👩‍�
 fn check_goldens(tok: &Tokenizer) {
     assert_eq!(tok.encode(CHAT_PROMPT, true).unwrap(), CHAT_IDS);
     assert_eq!(tok.encode(CHAT_PROMPT, false).unwrap(), CHAT_IDS);
-    assert_eq!(tok.encode("Once upon a time", true).unwrap(), [6403, 1980, 253, 655]);
     assert_eq!(
-        tok.decode(&[504, 3575, 282, 4649, 314, 7042, 30, 2], false).unwrap(),
+        tok.encode("Once upon a time", true).unwrap(),
+        [6403, 1980, 253, 655]
+    );
+    assert_eq!(
+        tok.decode(&[504, 3575, 282, 4649, 314, 7042, 30, 2], false)
+            .unwrap(),
         "The capital of France is Paris.<|im_end|>"
     );
     assert_eq!(tok.decode(&STORY_IDS, true).unwrap(), STORY);
@@ -71,7 +79,10 @@ fn smollm2_special_tokens() {
     assert_eq!(tok.id_to_token(198).as_deref(), Some("Ċ"));
     assert_eq!(tok.id_to_token(1_000_000), None);
     assert_eq!(tok.decode(&[1, 4093, 2], true).unwrap(), "user");
-    assert!(tok.chat_template().is_some_and(|t| t.contains("<|im_start|>")));
+    assert!(
+        tok.chat_template()
+            .is_some_and(|t| t.contains("<|im_start|>"))
+    );
     let debug = format!("{tok:?}");
     assert!(debug.contains("vocab_size: 49152"), "{debug}");
 }
@@ -91,7 +102,14 @@ fn smollm2_digits_split_individually() {
 #[test]
 fn smollm2_unicode_round_trip() {
     let Some(tok) = smollm2() else { return };
-    for text in [MIXED, "日本語のテキスト", "emoji 🎉🎉 end", "tabs\tand\n\nnewlines  ", "", " leading space"] {
+    for text in [
+        MIXED,
+        "日本語のテキスト",
+        "emoji 🎉🎉 end",
+        "tabs\tand\n\nnewlines  ",
+        "",
+        " leading space",
+    ] {
         let ids = tok.encode(text, true).unwrap();
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
         let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
@@ -145,7 +163,10 @@ fn smollm2_incremental_matches_decode() {
     let mut dec = IncrementalDecoder::new(tok.clone(), false);
     let pushed: String = cut.iter().map(|&id| dec.push(id).unwrap()).collect();
     assert_eq!(pushed, "ok");
-    assert_eq!(pushed + &dec.flush().unwrap(), tok.decode(cut, false).unwrap());
+    assert_eq!(
+        pushed + &dec.flush().unwrap(),
+        tok.decode(cut, false).unwrap()
+    );
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -164,7 +185,8 @@ fn smollm2_hf_files_round_trip() {
     let dir = temp_dir("hf");
     tok.save_hf_files(&dir, None).unwrap();
     let saved: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap())
+            .unwrap();
     assert_eq!(saved["eos_token"], "<|im_end|>");
     assert_eq!(saved["add_bos_token"], false);
     assert_eq!(saved["chat_template"].as_str(), tok.chat_template());
@@ -175,8 +197,16 @@ fn smollm2_hf_files_round_trip() {
         r#"{"eos_token": "<|im_end|>", "bos_token": {"content": "<|im_start|>", "special": true}}"#,
     )
     .unwrap();
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 5]}"#).unwrap();
-    let back = Tokenizer::from_hf_files(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json"))).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 5]}"#,
+    )
+    .unwrap();
+    let back = Tokenizer::from_hf_files(
+        &dir.join("tokenizer.json"),
+        Some(&dir.join("tokenizer_config.json")),
+    )
+    .unwrap();
     check_goldens(&back);
     assert_eq!(back.eos_token(), Some("<|im_end|>"));
     assert_eq!(back.bos_token(), Some("<|im_start|>"));
@@ -184,7 +214,10 @@ fn smollm2_hf_files_round_trip() {
     assert_eq!(back.vocab_size(), 49152);
     assert!(back.chat_template().is_none());
     for text in [MIXED, "12345", "Once upon a time"] {
-        assert_eq!(back.encode(text, true).unwrap(), tok.encode(text, true).unwrap());
+        assert_eq!(
+            back.encode(text, true).unwrap(),
+            tok.encode(text, true).unwrap()
+        );
     }
 
     // add_bos_token: true in the config makes encode(.., true) prepend BOS, and only then.
@@ -194,9 +227,19 @@ fn smollm2_hf_files_round_trip() {
     )
     .unwrap();
     std::fs::remove_file(dir.join("generation_config.json")).unwrap();
-    let with_bos = Tokenizer::from_hf_files(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json"))).unwrap();
-    assert_eq!(with_bos.encode("Once upon a time", true).unwrap(), [1, 6403, 1980, 253, 655]);
-    assert_eq!(with_bos.encode("Once upon a time", false).unwrap(), [6403, 1980, 253, 655]);
+    let with_bos = Tokenizer::from_hf_files(
+        &dir.join("tokenizer.json"),
+        Some(&dir.join("tokenizer_config.json")),
+    )
+    .unwrap();
+    assert_eq!(
+        with_bos.encode("Once upon a time", true).unwrap(),
+        [1, 6403, 1980, 253, 655]
+    );
+    assert_eq!(
+        with_bos.encode("Once upon a time", false).unwrap(),
+        [6403, 1980, 253, 655]
+    );
     assert_eq!(with_bos.eos_token_ids(), [2, 0]);
 
     // Without a config there is no BOS/EOS name, but chat-end special tokens still stop generation.
@@ -208,14 +251,22 @@ fn smollm2_hf_files_round_trip() {
 
 #[test]
 fn hf_files_missing_is_io_error() {
-    let err = Tokenizer::from_hf_files(std::path::Path::new("/nonexistent/kvq/tokenizer.json"), None).unwrap_err();
+    let err = Tokenizer::from_hf_files(
+        std::path::Path::new("/nonexistent/kvq/tokenizer.json"),
+        None,
+    )
+    .unwrap_err();
     assert!(matches!(err, ModelError::Io { .. }), "{err}");
 }
 
 fn synthetic(model: &str, tokens: &[&str], types: &[i32], extra: Vec<(&str, Value)>) -> Content {
-    let strings = |xs: &[&str]| Value::Array(xs.iter().map(|s| Value::String((*s).to_owned())).collect());
+    let strings =
+        |xs: &[&str]| Value::Array(xs.iter().map(|s| Value::String((*s).to_owned())).collect());
     let mut metadata = HashMap::new();
-    metadata.insert("tokenizer.ggml.model".to_owned(), Value::String(model.to_owned()));
+    metadata.insert(
+        "tokenizer.ggml.model".to_owned(),
+        Value::String(model.to_owned()),
+    );
     metadata.insert("tokenizer.ggml.tokens".to_owned(), strings(tokens));
     metadata.insert(
         "tokenizer.ggml.token_type".to_owned(),
@@ -236,9 +287,15 @@ fn synthetic(model: &str, tokens: &[&str], types: &[i32], extra: Vec<(&str, Valu
 fn unsupported_tokenizer_model() {
     let content = synthetic("bert", &["[UNK]"], &[2], vec![]);
     let err = Tokenizer::from_gguf(&content).unwrap_err();
-    assert!(matches!(&err, ModelError::Unsupported(m) if m.contains("bert")), "{err}");
+    assert!(
+        matches!(&err, ModelError::Unsupported(m) if m.contains("bert")),
+        "{err}"
+    );
     let content = synthetic("gpt2", &["a"], &[1, 1], vec![]);
-    assert!(matches!(Tokenizer::from_gguf(&content), Err(ModelError::Invalid(_))));
+    assert!(matches!(
+        Tokenizer::from_gguf(&content),
+        Err(ModelError::Invalid(_))
+    ));
 }
 
 #[test]
@@ -247,7 +304,10 @@ fn sentencepiece_from_gguf() {
     let mut tokens = vec!["<unk>", "<s>", "</s>"];
     let bytes: Vec<String> = (0..=255u8).map(|b| format!("<0x{b:02X}>")).collect();
     tokens.extend(bytes.iter().map(String::as_str));
-    tokens.extend(["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]);
+    tokens.extend([
+        "▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "▁he", "llo", "▁hello", "▁w",
+        "or", "▁wor", "ld", "▁world",
+    ]);
     let mut types = vec![2, 3, 3];
     types.extend(std::iter::repeat_n(6, 256));
     types.extend(std::iter::repeat_n(1, tokens.len() - types.len()));
@@ -266,8 +326,14 @@ fn sentencepiece_from_gguf() {
     let tok = Tokenizer::from_gguf(&content).unwrap();
     let id = |t: &str| tok.token_to_id(t).unwrap();
     assert!(tok.adds_bos_token());
-    assert_eq!(tok.encode("hello world", true).unwrap(), [1, id("▁hello"), id("▁world")]);
-    assert_eq!(tok.encode("hello world", false).unwrap(), [id("▁hello"), id("▁world")]);
+    assert_eq!(
+        tok.encode("hello world", true).unwrap(),
+        [1, id("▁hello"), id("▁world")]
+    );
+    assert_eq!(
+        tok.encode("hello world", false).unwrap(),
+        [id("▁hello"), id("▁world")]
+    );
     let ids = tok.encode("hello\n世", true).unwrap();
     assert_eq!(ids[..2], [1, id("▁hello")]);
     assert_eq!(ids[2], id("<0x0A>"));
@@ -278,4 +344,70 @@ fn sentencepiece_from_gguf() {
     let tok = Arc::new(tok);
     let (_, all) = stream(&tok, &ids, true);
     assert_eq!(all, "hello\n世");
+}
+
+#[test]
+fn gpt2_pre_variants_bos_and_send_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<IncrementalDecoder>();
+
+    let strings =
+        |xs: &[&str]| Value::Array(xs.iter().map(|s| Value::String((*s).to_owned())).collect());
+    let tokens = [
+        "<bos>", "<eos>", "h", "i", "Ġ", "1", "2", "3", "hi", "Ġhi", "12", "123",
+    ];
+    let types = [3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+    for (pre, digits) in [
+        ("llama-bpe", vec!["123"]),
+        ("qwen2", vec!["1", "2", "3"]),
+        ("gpt-2", vec!["123"]),
+        ("mystery", vec!["123"]),
+    ] {
+        let content = synthetic(
+            "gpt2",
+            &tokens,
+            &types,
+            vec![
+                (
+                    "tokenizer.ggml.merges",
+                    strings(&["h i", "Ġ hi", "1 2", "12 3"]),
+                ),
+                ("tokenizer.ggml.pre", Value::String(pre.to_owned())),
+                ("tokenizer.ggml.bos_token_id", Value::U32(0)),
+                ("tokenizer.ggml.eos_token_id", Value::U32(1)),
+                ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+            ],
+        );
+        let tok = Tokenizer::from_gguf(&content).unwrap();
+        let id = |t: &str| tok.token_to_id(t).unwrap();
+        assert!(tok.adds_bos_token(), "{pre}");
+        assert_eq!(
+            tok.encode("hi hi", true).unwrap(),
+            [0, id("hi"), id("Ġhi")],
+            "{pre}"
+        );
+        assert_eq!(tok.encode("hi", false).unwrap(), [id("hi")], "{pre}");
+        let want: Vec<u32> = digits.iter().map(|d| id(d)).collect();
+        assert_eq!(tok.encode("123", false).unwrap(), want, "{pre}");
+        assert_eq!(
+            tok.decode(&[0, id("hi"), id("Ġhi"), 1], true).unwrap(),
+            "hi hi"
+        );
+        assert_eq!(tok.eos_token_ids(), [1]);
+
+        // add_bos_token = Some(false) on top of a post-processor that adds BOS strips it again.
+        let no_bos = Tokenizer::from_tokenizer(
+            tok.inner().clone(),
+            Some("<bos>"),
+            Some("<eos>"),
+            Some(false),
+        )
+        .unwrap();
+        assert!(!no_bos.adds_bos_token());
+        assert_eq!(no_bos.encode("hi", true).unwrap(), [id("hi")]);
+        let kept =
+            Tokenizer::from_tokenizer(tok.inner().clone(), Some("<bos>"), None, None).unwrap();
+        assert_eq!(kept.encode("hi", true).unwrap(), [0, id("hi")]);
+    }
 }

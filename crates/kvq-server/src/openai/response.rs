@@ -167,7 +167,10 @@ impl CompletionLogprobs {
             self.token_logprobs.push(finite_logprob(info.logprob));
             let mut top = serde_json::Map::new();
             for t in &info.top {
-                top.insert(t.token.clone(), serde_json::json!(finite_logprob(t.logprob)));
+                top.insert(
+                    t.token.clone(),
+                    serde_json::json!(finite_logprob(t.logprob)),
+                );
             }
             self.top_logprobs.push(top);
             self.text_offset.push(*offset);

@@ -241,7 +241,9 @@ pub fn kv_cache(v: Option<&Value>) -> Result<Option<CacheSpec>, ApiError> {
                         .ok_or_else(|| {
                             ApiError::invalid(
                                 "kv_cache.bits",
-                                format!("'kv_cache.bits' must be an integer from 0 to 255; got {n}."),
+                                format!(
+                                    "'kv_cache.bits' must be an integer from 0 to 255; got {n}."
+                                ),
                             )
                         })?,
                 ),

@@ -1,4 +1,4 @@
-//! fp16 cache tests: attention against the exact reference, block growth, truncation.
+//! Dense cache tests: attention against the exact reference, block growth, truncation.
 
 use super::*;
 use crate::attention::attention_reference;
@@ -29,9 +29,19 @@ fn geom(window: Option<usize>) -> CacheGeometry {
 /// Appends `chunks` of positions, attends after each, and compares with the reference on the
 /// f16-rounded keys and values.
 fn check(chunks: &[usize], window: Option<usize>) {
+    check_with::<f16>(chunks, window, |x| f16::from_f32(x).to_f32(), 1e-4);
+    check_with::<f32>(chunks, window, |x| x, 1e-5);
+}
+
+fn check_with<E: Element>(
+    chunks: &[usize],
+    window: Option<usize>,
+    round: fn(f32) -> f32,
+    tol: f32,
+) {
     let g = geom(window);
     let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
-    let mut cache = Fp16Cache::new(g);
+    let mut cache = DenseCache::<E>::new(g);
     let mut all_k: Vec<Vec<f32>> = vec![Vec::new(); kvh];
     let mut all_v: Vec<Vec<f32>> = vec![Vec::new(); kvh];
     let dev = Device::Cpu;
@@ -40,9 +50,8 @@ fn check(chunks: &[usize], window: Option<usize>) {
         let v = rand_vec(kvh * t * d, 3 * c as u64 + 2);
         let q = rand_vec(h * t * d, 3 * c as u64 + 3);
         for hh in 0..kvh {
-            let round = |x: &f32| f16::from_f32(*x).to_f32();
-            all_k[hh].extend(k[hh * t * d..(hh + 1) * t * d].iter().map(round));
-            all_v[hh].extend(v[hh * t * d..(hh + 1) * t * d].iter().map(round));
+            all_k[hh].extend(k[hh * t * d..(hh + 1) * t * d].iter().map(|&x| round(x)));
+            all_v[hh].extend(v[hh * t * d..(hh + 1) * t * d].iter().map(|&x| round(x)));
         }
         let kt = Tensor::from_vec(k, (kvh, t, d), &dev).unwrap();
         let vt = Tensor::from_vec(v, (kvh, t, d), &dev).unwrap();
@@ -59,7 +68,11 @@ fn check(chunks: &[usize], window: Option<usize>) {
             .zip(&want)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        assert!(err < 1e-4, "chunk {c} (t={t}, len={len}): max error {err}");
+        assert!(
+            err < tol,
+            "{} chunk {c} (t={t}, len={len}): max error {err}",
+            E::METHOD
+        );
     }
 }
 
@@ -102,7 +115,10 @@ fn rejects_wrong_shapes() {
     let mut cache = Fp16Cache::new(geom(None));
     let dev = Device::Cpu;
     let bad = Tensor::zeros((3, 1, 16), DType::F32, &dev).unwrap();
-    assert!(matches!(cache.append(&bad, &bad), Err(CacheError::Shape(_))));
+    assert!(matches!(
+        cache.append(&bad, &bad),
+        Err(CacheError::Shape(_))
+    ));
     let q = Tensor::zeros((6, 1, 16), DType::F32, &dev).unwrap();
     assert!(matches!(cache.attend(&q, 1.0), Err(CacheError::Shape(_))));
 }

@@ -1,5 +1,6 @@
-//! fp16: the baseline cache. Keys and values in f16, held in fixed-size blocks allocated as the
-//! sequence grows (never a concatenation per token); attention exact up to f16 rounding.
+//! Dense caches: `fp16` (the baseline) and `f32` (exact, the reference the golden test uses).
+//! Keys and values are held in fixed-size blocks allocated as the sequence grows (never a
+//! concatenation per token); attention is exact up to the storage type's rounding.
 
 use crate::attention::{axpy, dot, softmax_in_place, window_start};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
@@ -14,34 +15,84 @@ pub const BLOCK_TOKENS: usize = 256;
 /// Query rows at or below this count take the direct decode loop; more use batched matmuls.
 const DECODE_MAX_ROWS: usize = 8;
 
-/// Builds [`Fp16Cache`]s.
-#[derive(Debug, Default, Clone)]
-pub struct Fp16Factory;
+/// A storage element of a dense cache.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The registry name of the cache storing this type.
+    const METHOD: &'static str;
+    /// The candle dtype of this type.
+    const DTYPE: DType;
+    /// Zero.
+    const ZERO: Self;
+    /// Converts a slice to f32.
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
+    /// Reads a tensor of this dtype.
+    fn read(t: &Tensor) -> Result<Vec<Self>>;
+}
 
-impl CacheFactory for Fp16Factory {
+impl Element for f16 {
+    const METHOD: &'static str = "fp16";
+    const DTYPE: DType = DType::F16;
+    const ZERO: Self = f16::ZERO;
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn read(t: &Tensor) -> Result<Vec<Self>> {
+        Ok(t.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?)
+    }
+}
+
+impl Element for f32 {
+    const METHOD: &'static str = "f32";
+    const DTYPE: DType = DType::F32;
+    const ZERO: Self = 0.0;
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn read(t: &Tensor) -> Result<Vec<Self>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
+/// Builds [`DenseCache`]s storing `E`.
+#[derive(Debug, Default, Clone)]
+pub struct DenseFactory<E>(std::marker::PhantomData<E>);
+
+impl<E> DenseFactory<E> {
+    /// A factory.
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<E: Element> CacheFactory for DenseFactory<E> {
     fn method(&self) -> &str {
-        "fp16"
+        E::METHOD
     }
 
     fn create(&self, _layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        Ok(Box::new(Fp16Cache::new(*geom)))
+        Ok(Box::new(DenseCache::<E>::new(*geom)))
     }
 }
 
+/// The fp16 baseline.
+pub type Fp16Cache = DenseCache<f16>;
+/// The exact f32 cache.
+pub type F32Cache = DenseCache<f32>;
+
 /// One block: `[n_kv_heads, BLOCK_TOKENS, head_dim]` keys and values.
-struct Block {
-    k: Vec<f16>,
-    v: Vec<f16>,
+struct Block<E> {
+    k: Vec<E>,
+    v: Vec<E>,
 }
 
-/// The fp16 cache of one layer.
-pub struct Fp16Cache {
+/// The dense cache of one layer.
+pub struct DenseCache<E> {
     geom: CacheGeometry,
-    blocks: Vec<Block>,
+    blocks: Vec<Block<E>>,
     len: usize,
 }
 
-impl Fp16Cache {
+impl<E: Element> DenseCache<E> {
     /// An empty cache; memory is allocated block by block on append.
     pub fn new(geom: CacheGeometry) -> Self {
         Self {
@@ -72,7 +123,7 @@ impl Fp16Cache {
             let n = (self.len - first).min(BLOCK_TOKENS);
             let src = if keys { &block.k } else { &block.v };
             let o = self.offset(h, 0);
-            src[o..o + n * d].convert_to_f32_slice(&mut out[first * d..(first + n) * d]);
+            E::to_f32_slice(&src[o..o + n * d], &mut out[first * d..(first + n) * d]);
         }
     }
 
@@ -127,7 +178,7 @@ impl Fp16Cache {
             let block = &self.blocks[b];
             let src = if keys { &block.k } else { &block.v };
             let o = self.offset(kh, first);
-            src[o..o + n * d].convert_to_f32_slice(&mut scratch[..n * d]);
+            E::to_f32_slice(&src[o..o + n * d], &mut scratch[..n * d]);
             for i in 0..n {
                 f(j + i, &scratch[i * d..(i + 1) * d]);
             }
@@ -192,7 +243,7 @@ pub(crate) fn check_shape(x: &Tensor, heads: usize, d: usize, what: &str) -> Res
     }
 }
 
-impl KvCache for Fp16Cache {
+impl<E: Element> KvCache for DenseCache<E> {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
         let t = check_shape(k, kvh, d, "keys")?;
@@ -205,16 +256,16 @@ impl KvCache for Fp16Cache {
                 self.geom.max_tokens
             )));
         }
-        let kd = k.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?;
-        let vd = v.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?;
+        let kd = E::read(k)?;
+        let vd = E::read(v)?;
         let elems = self.block_elems();
         for i in 0..t {
             let pos = self.len + i;
             let (b, slot) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
             if b == self.blocks.len() {
                 self.blocks.push(Block {
-                    k: vec![f16::ZERO; elems],
-                    v: vec![f16::ZERO; elems],
+                    k: vec![E::ZERO; elems],
+                    v: vec![E::ZERO; elems],
                 });
             }
             for h in 0..kvh {
@@ -251,7 +302,7 @@ impl KvCache for Fp16Cache {
     fn resident_bytes(&self) -> usize {
         self.blocks
             .iter()
-            .map(|b| (b.k.capacity() + b.v.capacity()) * std::mem::size_of::<f16>())
+            .map(|b| (b.k.capacity() + b.v.capacity()) * std::mem::size_of::<E>())
             .sum()
     }
 
@@ -264,7 +315,7 @@ impl KvCache for Fp16Cache {
     }
 
     fn method(&self) -> &str {
-        "fp16"
+        E::METHOD
     }
 }
 

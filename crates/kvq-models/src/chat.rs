@@ -1,0 +1,600 @@
+//! Chat templates: renders a conversation into a prompt with a Hugging Face style Jinja template (minijinja with Python compatibility).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
+
+use crate::tokenizer::Tokenizer;
+use crate::{ModelError, Result};
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Plain ChatML, for models that ship no template.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// One turn of a conversation, as templates see it (`message['role']`, `message.content`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template plus the special tokens it may refer to.
+///
+/// The environment mirrors `transformers`' `apply_chat_template`: `trim_blocks` and
+/// `lstrip_blocks` on, Python string/dict methods (`.strip()`, `.split()`, `.items()`, ...),
+/// `raise_exception(msg)`, `strftime_now(fmt)` (UTC) and a Python-compatible `tojson` filter
+/// (`", "`/`": "` separators, no HTML escaping, optional `indent`). Undefined values are lenient
+/// and chainable (`message.tool_calls.x` is undefined, not an error).
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+/// Carries the message of `raise_exception` through minijinja's error chain.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct RaisedException(String);
+
+fn raise_exception(msg: String) -> std::result::Result<Value, Error> {
+    Err(
+        Error::new(ErrorKind::InvalidOperation, "raise_exception called")
+            .with_source(RaisedException(msg)),
+    )
+}
+
+fn strftime_now(fmt: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0));
+    strftime(&fmt, secs)
+}
+
+fn template_error(err: &Error) -> ModelError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = source {
+        if let Some(raised) = e.downcast_ref::<RaisedException>() {
+            return ModelError::Template(raised.0.clone());
+        }
+        source = e.source();
+    }
+    let mut msg = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        let _ = write!(msg, ": {e}");
+        source = e.source();
+    }
+    ModelError::Template(msg)
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; a syntax error is [`ModelError::Template`].
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_undefined_behavior(UndefinedBehavior::Chainable);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(|e| ModelError::Template(format!("compiling: {e}")))?;
+        Ok(ChatTemplate {
+            env,
+            source: source.to_owned(),
+            bos_token: bos_token.map(str::to_owned),
+            eos_token: eos_token.map(str::to_owned),
+        })
+    }
+
+    /// Plain ChatML (`<|im_start|>role\ncontent<|im_end|>\n`), for models without a template.
+    pub fn chatml() -> ChatTemplate {
+        // The source is a constant that the tests compile.
+        Self::new(CHATML_TEMPLATE, None, Some("<|im_end|>"))
+            .expect("the built-in ChatML template compiles")
+    }
+
+    /// The tokenizer's own template (GGUF `tokenizer.chat_template` or tokenizer_config.json),
+    /// else ChatML; with the tokenizer's BOS/EOS strings.
+    pub fn for_tokenizer(tok: &Tokenizer) -> Result<ChatTemplate> {
+        match tok.chat_template() {
+            Some(source) => Self::new(source, tok.bos_token(), tok.eos_token()),
+            None => {
+                tracing::warn!("tokenizer has no chat template; using ChatML");
+                Ok(Self::chatml())
+            }
+        }
+    }
+
+    /// The template text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders `messages`; with `add_generation_prompt` the prompt ends where the assistant's answer begins.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, None)
+    }
+
+    /// Like [`render`](Self::render), with extra top-level variables from a JSON object
+    /// (e.g. `tools`, `enable_thinking`); they cannot override `messages` or the special tokens.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Value>,
+    ) -> Result<String> {
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        match extra {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::Object(map)) => {
+                for (k, v) in map {
+                    ctx.insert(k.clone(), Value::from_serialize(v));
+                }
+            }
+            Some(_) => {
+                return Err(ModelError::Template(
+                    "extra context must be a JSON object".into(),
+                ));
+            }
+        }
+        ctx.insert("messages".into(), Value::from_serialize(messages));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        if let Some(bos) = &self.bos_token {
+            ctx.insert("bos_token".into(), Value::from(bos.as_str()));
+        }
+        if let Some(eos) = &self.eos_token {
+            ctx.insert("eos_token".into(), Value::from(eos.as_str()));
+        }
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| template_error(&e))?;
+        template.render(ctx).map_err(|e| template_error(&e))
+    }
+}
+
+/// `tojson` as `transformers` defines it: `json.dumps(x, ensure_ascii=False, indent=indent)`,
+/// keeping map order as minijinja iterates it.
+fn tojson(
+    value: &Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, Error> {
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    // ensure_ascii / sort_keys / separators are accepted; only the defaults are implemented.
+    for key in ["ensure_ascii", "sort_keys", "separators"] {
+        let _: Option<Value> = kwargs.get(key)?;
+    }
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => Some(usize::try_from(v)?),
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, indent, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn newline(out: &mut String, indent: Option<usize>, level: usize) {
+    if let Some(n) = indent {
+        out.push('\n');
+        out.extend(std::iter::repeat_n(' ', n * level));
+    }
+}
+
+fn write_json(
+    out: &mut String,
+    value: &Value,
+    indent: Option<usize>,
+    level: usize,
+) -> std::result::Result<(), Error> {
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if value.is_integer() {
+                let _ = write!(out, "{value}");
+            } else {
+                let f = f64::try_from(value.clone())?;
+                if f.is_finite() {
+                    let _ = write!(out, "{}", serde_json::Value::from(f));
+                } else if f.is_nan() {
+                    out.push_str("NaN");
+                } else {
+                    out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" });
+                }
+            }
+        }
+        ValueKind::String | ValueKind::Plain => {
+            let s = value
+                .as_str()
+                .map_or_else(|| value.to_string(), str::to_owned);
+            out.push_str(&serde_json::Value::from(s).to_string());
+        }
+        ValueKind::Map | ValueKind::Seq | ValueKind::Iterable => {
+            let is_map = value.kind() == ValueKind::Map;
+            let items: Vec<Value> = value.try_iter()?.collect();
+            out.push(if is_map { '{' } else { '[' });
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, indent, level + 1);
+                if is_map {
+                    let name = item
+                        .as_str()
+                        .map_or_else(|| item.to_string(), str::to_owned);
+                    out.push_str(&serde_json::Value::from(name).to_string());
+                    out.push_str(": ");
+                    write_json(out, &value.get_item(item)?, indent, level + 1)?;
+                } else {
+                    write_json(out, item, indent, level + 1)?;
+                }
+            }
+            if !items.is_empty() {
+                newline(out, indent, level);
+            }
+            out.push(if is_map { '}' } else { ']' });
+        }
+        _ => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("cannot serialize a {} to JSON", value.kind()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+const MONTHS: &str =
+    "January February March April May June July August September October November December";
+const WEEKDAYS: &str = "Sunday Monday Tuesday Wednesday Thursday Friday Saturday";
+
+/// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (proleptic Gregorian).
+fn civil_from_days(days: i64) -> (i64, usize, i64) {
+    let z = days + 719_468; // days since 0000-03-01
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // day of the 400-year era
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // day of the March-based year
+    let mp = (5 * doy + 2) / 153; // March = 0
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, usize::try_from(month).unwrap_or(1), day)
+}
+
+/// A small `strftime` over UTC seconds since the epoch: `%Y %y %m %d %e %j %B %b %h %A %a %H %I %M %S %p %%`,
+/// with `%-d`-style unpadded variants. Unknown directives are copied through.
+fn strftime(fmt: &str, secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (sod / 3600, sod / 60 % 60, sod % 60);
+    let weekday = usize::try_from((days + 4).rem_euclid(7)).unwrap_or(0);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let month_days = [
+        31,
+        if leap { 29 } else { 28 },
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ];
+    let yday = month_days.iter().take(month - 1).sum::<i64>() + day;
+    let month_name = MONTHS.split(' ').nth(month - 1).unwrap_or("");
+    let weekday_name = WEEKDAYS.split(' ').nth(weekday).unwrap_or("");
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = fmt.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let unpadded = chars.next_if_eq(&'-').is_some();
+        let num = |out: &mut String, v: i64, width: usize| {
+            let _ = if unpadded {
+                write!(out, "{v}")
+            } else {
+                write!(out, "{v:0width$}")
+            };
+        };
+        match chars.next() {
+            Some('Y') => num(&mut out, year, 4),
+            Some('y') => num(&mut out, year.rem_euclid(100), 2),
+            Some('m') => num(&mut out, month as i64, 2),
+            Some('d') => num(&mut out, day, 2),
+            Some('e') => {
+                let _ = write!(out, "{day:>2}");
+            }
+            Some('j') => num(&mut out, yday, 3),
+            Some('H') => num(&mut out, hour, 2),
+            Some('I') => num(&mut out, hour12, 2),
+            Some('M') => num(&mut out, minute, 2),
+            Some('S') => num(&mut out, second, 2),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('B') => out.push_str(month_name),
+            Some('b' | 'h') => out.push_str(month_name.get(..3).unwrap_or(month_name)),
+            Some('A') => out.push_str(weekday_name),
+            Some('a') => out.push_str(weekday_name.get(..3).unwrap_or(weekday_name)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                if unpadded {
+                    out.push('-');
+                }
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(text: &str) -> ChatMessage {
+        ChatMessage::new("user", text)
+    }
+
+    /// SmolLM2's template as read from the GGUF (kept here so the test also runs without the file).
+    const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    const SMOLLM2_EXPECTED: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+
+    fn smollm2_gguf() -> Option<candle_core::quantized::gguf_file::Content> {
+        let dir = std::env::var_os("KVQ_MODELS_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../models").into());
+        let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            eprintln!("skipping GGUF part: {} not found", path.display());
+            return None;
+        };
+        Some(candle_core::quantized::gguf_file::Content::read(&mut file).unwrap())
+    }
+
+    fn smollm2_template_from_gguf() -> Option<String> {
+        let content = smollm2_gguf()?;
+        Some(
+            content.metadata["tokenizer.chat_template"]
+                .to_string()
+                .unwrap()
+                .clone(),
+        )
+    }
+
+    #[test]
+    fn smollm2_template() {
+        let mut sources = vec![SMOLLM2_TEMPLATE.to_owned()];
+        if let Some(from_gguf) = smollm2_template_from_gguf() {
+            assert_eq!(from_gguf, SMOLLM2_TEMPLATE);
+            sources.push(from_gguf);
+        }
+        for source in sources {
+            let t = ChatTemplate::new(&source, Some("<|im_start|>"), Some("<|im_end|>")).unwrap();
+            let q = [user("What is the capital of France?")];
+            assert_eq!(t.render(&q, true).unwrap(), SMOLLM2_EXPECTED);
+            let without = SMOLLM2_EXPECTED
+                .strip_suffix("<|im_start|>assistant\n")
+                .unwrap();
+            assert_eq!(t.render(&q, false).unwrap(), without);
+            let sys = [ChatMessage::new("system", "Be brief."), user("Hi")];
+            assert_eq!(
+                t.render(&sys, true).unwrap(),
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+            );
+            assert_eq!(t.source(), source);
+        }
+    }
+
+    #[test]
+    fn tokenizer_template_or_chatml() {
+        let Some(content) = smollm2_gguf() else {
+            return;
+        };
+        let tok = Tokenizer::from_gguf(&content).unwrap();
+        let t = ChatTemplate::for_tokenizer(&tok).unwrap();
+        assert_eq!(Some(t.source()), tok.chat_template());
+        let prompt = t
+            .render(&[user("What is the capital of France?")], true)
+            .unwrap();
+        assert_eq!(prompt, SMOLLM2_EXPECTED);
+        let ids = tok.encode(&prompt, true).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
+    }
+
+    #[test]
+    fn chatml_fallback() {
+        let t = ChatTemplate::chatml();
+        let msgs = [
+            ChatMessage::new("system", "S"),
+            user("U"),
+            ChatMessage::new("assistant", "A"),
+        ];
+        assert_eq!(
+            t.render(&msgs, false).unwrap(),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+        );
+        assert!(t.render(&[], true).unwrap() == "<|im_start|>assistant\n");
+    }
+
+    /// A Llama-2 style template: system folded into the first turn, strict alternation.
+    const INLINE: &str = r#"{% if messages[0]['role'] == 'system' %}
+    {% set system = messages[0]['content'].strip() %}
+    {% set loop_messages = messages[1:] %}
+{% else %}
+    {% set system = 'Default system.' %}
+    {% set loop_messages = messages %}
+{% endif %}
+{% for message in loop_messages %}
+    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {% endif %}
+    {% if loop.first %}
+{{ bos_token }}[SYS]{{ system }}[/SYS]
+    {% endif %}
+    {% if message['role'] == 'user' %}
+[INST] {{ message['content'].strip() }} [/INST]
+    {% elif message.content.startswith('#') %}
+{{ message.content.split('#')[-1] | trim }}{{ eos_token }}
+    {% else %}
+{{ message['content'].replace('  ', ' ') }}{{ eos_token }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt and messages[-1].role == 'user' %}
+>
+{% endif %}"#;
+
+    #[test]
+    fn inline_python_methods_and_blocks() {
+        let t = ChatTemplate::new(INLINE, Some("<s>"), Some("</s>")).unwrap();
+        let msgs = [
+            ChatMessage::new("system", "  Be nice.  "),
+            user("  Hello  "),
+            ChatMessage::new("assistant", "Hi  there"),
+            user("Again"),
+        ];
+        assert_eq!(
+            t.render(&msgs, true).unwrap(),
+            "<s>[SYS]Be nice.[/SYS]\n[INST] Hello [/INST]\nHi there</s>\n[INST] Again [/INST]\n>\n"
+        );
+        let msgs = [user("Q"), ChatMessage::new("assistant", "#x# answer ")];
+        assert_eq!(
+            t.render(&msgs, true).unwrap(),
+            "<s>[SYS]Default system.[/SYS]\n[INST] Q [/INST]\nanswer</s>\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_template_error() {
+        let t = ChatTemplate::new(INLINE, Some("<s>"), Some("</s>")).unwrap();
+        let err = t.render(&[user("a"), user("b")], true).unwrap_err();
+        match err {
+            ModelError::Template(msg) => {
+                assert_eq!(
+                    msg,
+                    "Conversation roles must alternate user/assistant/user/assistant/..."
+                )
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn compile_error_is_template_error() {
+        let err = ChatTemplate::new("{% for m in messages %}{{ m.role }", None, None).unwrap_err();
+        assert!(
+            matches!(err, ModelError::Template(ref m) if m.starts_with("compiling")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn lenient_undefined_and_missing_tokens() {
+        let src = "{% if tools is defined %}T{% endif %}{{ messages[0].tool_calls.name }}[{{ bos_token }}]{% for m in nothing %}x{% endfor %}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert_eq!(t.render(&[user("u")], false).unwrap(), "[]");
+        let err = ChatTemplate::new("{{ 'a' + 1 }}", None, None)
+            .unwrap()
+            .render(&[], false)
+            .unwrap_err();
+        assert!(matches!(err, ModelError::Template(_)));
+    }
+
+    #[test]
+    fn tojson_like_python() {
+        let src = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ messages | tojson }}|{{ 'é<' | tojson }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let extra = serde_json::json!({"tools": [{"name": "get_weather", "parameters": {"city": "string", "days": 3, "x": 1.5, "ok": true, "n": null}}]});
+        let out = t
+            .render_with(&[user("hi \"you\"")], false, Some(&extra))
+            .unwrap();
+        let parts: Vec<&str> = out.split('|').collect();
+        assert_eq!(
+            parts[0],
+            r#"[{"name": "get_weather", "parameters": {"city": "string", "days": 3, "n": null, "ok": true, "x": 1.5}}]"#
+        );
+        assert_eq!(
+            parts[1],
+            "{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"string\",\n    \"days\": 3,\n    \"n\": null,\n    \"ok\": true,\n    \"x\": 1.5\n  }\n}"
+        );
+        assert_eq!(parts[2], r#"[{"role": "user", "content": "hi \"you\""}]"#);
+        assert_eq!(parts[3], r#""é<""#);
+        let bad = t.render_with(&[], false, Some(&serde_json::json!([1])));
+        assert!(matches!(bad, Err(ModelError::Template(_))));
+    }
+
+    #[test]
+    fn strftime_formats() {
+        // 2024-07-26 00:00:00 UTC, a Friday.
+        let t = 1_721_952_000;
+        assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %-d, %y %H:%M:%S %j %%", t + 3_723),
+            "Friday July 26, 24 01:02:03 208 %"
+        );
+        assert_eq!(
+            strftime("%Y-%m-%d %I%p %q", 951_782_400),
+            "2000-02-29 12AM %q"
+        );
+        assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+        assert_eq!(strftime("%Y-%m-%d", -86_400), "1969-12-31");
+        let now = ChatTemplate::new("{{ strftime_now('%Y') }}", None, None).unwrap();
+        assert_eq!(now.render(&[], false).unwrap().len(), 4);
+    }
+
+    #[test]
+    fn send_sync_clone() {
+        fn assert_send_sync<T: Send + Sync + Clone>() {}
+        assert_send_sync::<ChatTemplate>();
+        assert!(format!("{:?}", ChatTemplate::chatml()).contains("im_start"));
+    }
+}

@@ -1,0 +1,53 @@
+//! The command line: `kvq serve` and `kvq generate` (clap derive), logging setup, and model
+//! loading with a progress bar shared by both.
+
+mod generate;
+mod model;
+mod serve;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// kvq: a local LLM inference server with a per-request compressed KV cache.
+#[derive(Debug, Parser)]
+#[command(name = "kvq", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
+    /// Generate a completion for one prompt and stream it to stdout.
+    Generate(generate::GenerateArgs),
+}
+
+impl Command {
+    /// The log level when RUST_LOG is unset: `info` for the server, `warn` for one-shot commands.
+    pub fn default_log_level(&self) -> &'static str {
+        match self {
+            Command::Serve(_) => "info",
+            Command::Generate(_) => "warn",
+        }
+    }
+}
+
+/// Logs to stderr, filtered by RUST_LOG (default `default_level`).
+pub fn init_tracing(default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs the chosen subcommand.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve::run(args).await,
+        Command::Generate(args) => generate::run(args).await,
+    }
+}

@@ -1,0 +1,129 @@
+//! `POST /v1/chat/completions`: validate, pick the cache, render the chat template, tokenize,
+//! then answer whole (`chat.completion`) or as SSE chunks (`chat.completion.chunk`).
+
+use crate::cache_select::resolve_cache;
+use crate::error::ApiError;
+use crate::extract::ApiJson;
+use crate::generation::{self, collect_all, merge, new_id, record_finished, submit_all, unix_now};
+use crate::openai::{
+    ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ResponseMessage, UsageOut,
+};
+use crate::routes::{tokenize_blocking, with_cache_header};
+use crate::sse::{ChunkWriter, StreamKind, StreamMeta, into_sse, sse_stream};
+use crate::state::AppState;
+use crate::validate::{Message, validate_chat};
+use axum::Json;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use kvq_engine::Engine;
+use kvq_models::ChatMessage;
+
+const PROMPT_PARAM: &str = "messages";
+
+/// Renders `messages` with the model's chat template (generation prompt added) and tokenizes
+/// the result. Template errors (e.g. a template that rejects the role order) are 400s.
+pub fn render_and_encode(engine: &Engine, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+    let msgs: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone()))
+        .collect();
+    let text = engine
+        .chat_template()
+        .render(&msgs, true)
+        .map_err(|e| ApiError::from_model(e, PROMPT_PARAM))?;
+    // A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+    let tokenizer = engine.tokenizer();
+    let add_special = !tokenizer
+        .bos_token()
+        .is_some_and(|bos| !bos.is_empty() && text.starts_with(bos));
+    tokenizer
+        .encode(&text, add_special)
+        .map_err(|e| ApiError::from_model(e, PROMPT_PARAM))
+}
+
+/// The handler.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let served = state.engine.model_info().id.clone();
+    let v = validate_chat(&req, &served, &state.limits)?;
+    let cache = resolve_cache(&state.registry, &headers, v.params.kv_cache.as_ref())?;
+    let engine = state.engine.clone();
+    let messages = v.messages.clone();
+    let prompt = tokenize_blocking(move || render_and_encode(&engine, &messages)).await?;
+    let rxs = submit_all(&state.engine, &prompt, &v.params, &cache, PROMPT_PARAM)?;
+    let id = new_id("chatcmpl-");
+    let created = unix_now();
+
+    if v.params.stream {
+        let meta = StreamMeta {
+            id,
+            created,
+            model: v.model,
+        };
+        let mut writer = ChunkWriter::new(
+            StreamKind::Chat,
+            meta,
+            v.params.n,
+            v.params.include_usage,
+            v.params.logprobs.is_some(),
+        );
+        let opening = writer.opening(None);
+        let stream = sse_stream(merge(rxs), writer, opening, record_finished);
+        return Ok(with_cache_header(
+            into_sse(stream).into_response(),
+            &cache.name,
+        ));
+    }
+
+    let results = collect_all(rxs, PROMPT_PARAM).await?;
+    let body = chat_completion(id, created, v.model, v.params.logprobs.is_some(), results);
+    Ok(with_cache_header(Json(body).into_response(), &cache.name))
+}
+
+/// Builds the non-streaming response from the collected choices.
+pub fn chat_completion(
+    id: String,
+    created: u64,
+    model: String,
+    want_logprobs: bool,
+    results: Vec<generation::Collected>,
+) -> ChatCompletion {
+    let mut usage: Option<UsageOut> = None;
+    let choices = results
+        .into_iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let u = UsageOut::from(&c.usage);
+            match &mut usage {
+                Some(total) => total.add_choice(&u),
+                None => usage = Some(u),
+            }
+            ChatChoice {
+                index,
+                message: ResponseMessage {
+                    role: "assistant",
+                    content: c.text,
+                },
+                logprobs: want_logprobs.then(|| ChatLogprobs::from_infos(&c.logprobs)),
+                finish_reason: c.finish.as_str(),
+            }
+        })
+        .collect();
+    ChatCompletion {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices,
+        usage: usage.unwrap_or(UsageOut {
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+            kv_cache_bytes: 0,
+        }),
+    }
+}

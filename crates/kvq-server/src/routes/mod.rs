@@ -1,0 +1,88 @@
+//! The HTTP surface: `router` wires every endpoint, the body limit, request metrics, tracing
+//! and panic catching; plus the JSON 404/405 fallbacks and helpers the handlers share.
+
+pub mod chat;
+pub mod completions;
+pub mod health;
+pub mod metrics;
+pub mod models;
+#[cfg(test)]
+mod tests;
+
+use crate::cache_select::HEADER_METHOD;
+use crate::error::ApiError;
+use crate::extract::BodyLimit;
+use crate::state::AppState;
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderValue, Method, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::trace::TraceLayer;
+
+/// Every route, with the body limit from `state.limits`, `kvq_requests_total` counting,
+/// request tracing, and a JSON 500 for a handler that panics.
+pub fn router(state: AppState) -> Router {
+    let limit = state.limits.max_body_bytes;
+    let routes = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(models::list_models))
+        .route("/v1/models/{*id}", get(models::get_model))
+        .route("/health", get(health::health))
+        .route("/metrics", get(metrics::metrics));
+    with_layers(routes, limit).with_state(state)
+}
+
+/// The JSON 404/405 fallbacks and the layers every route gets (body limit, metrics, panic
+/// catching, tracing). Separate from `router` so it can be tested without an engine.
+pub fn with_layers<S>(routes: Router<S>, max_body_bytes: usize) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    routes
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::Extension(BodyLimit(max_body_bytes)))
+        .layer(axum::middleware::from_fn(crate::metrics::track_requests))
+        .layer(CatchPanicLayer::custom(panic_response))
+        .layer(TraceLayer::new_for_http())
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::NotFound(format!("Invalid URL ({method} {})", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed(format!("Method {method} is not allowed for {}", uri.path()))
+}
+
+fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let detail = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown panic");
+    tracing::error!(panic = detail, "a request handler panicked");
+    ApiError::Internal("The server hit an internal error while handling this request.".into())
+        .into_response()
+}
+
+/// Adds `x-kv-cache-method: <name>` to a response.
+pub fn with_cache_header(mut response: Response, method: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(method) {
+        response.headers_mut().insert(HEADER_METHOD, v);
+    }
+    response
+}
+
+/// Runs template rendering / tokenization off the async threads (long prompts take a while).
+pub async fn tokenize_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))?
+}

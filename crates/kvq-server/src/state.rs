@@ -1,0 +1,37 @@
+//! `AppState`, what every handler shares: the engine handle, the cache registry, the metrics
+//! handle and the server's request limits.
+
+use kvq_cache::CacheRegistry;
+use kvq_engine::Engine;
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::Arc;
+
+/// Default request body limit: 4 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// Limits the server enforces on requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Largest request body accepted (413 past it).
+    pub max_body_bytes: usize,
+    /// Largest `n` (choices per request) accepted.
+    pub max_n: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_n: 1,
+        }
+    }
+}
+
+/// Shared by every handler; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Engine,
+    pub registry: Arc<CacheRegistry>,
+    pub metrics: PrometheusHandle,
+    pub limits: ServerLimits,
+}
