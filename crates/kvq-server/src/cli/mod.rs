@@ -1,6 +1,7 @@
 //! The command line: `kvq serve` and `kvq generate` (clap derive), logging setup, and model
 //! loading with a progress bar shared by both.
 
+mod bench;
 mod generate;
 mod model;
 mod serve;
@@ -10,7 +11,7 @@ use tracing_subscriber::EnvFilter;
 
 /// kvq: a local LLM inference server with a per-request compressed KV cache.
 #[derive(Debug, Parser)]
-#[command(name = "kvq", version, about)]
+#[command(name = "kvq", version)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -22,6 +23,8 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Generate a completion for one prompt and stream it to stdout.
     Generate(generate::GenerateArgs),
+    /// Measure prompt and decode tokens/s (optionally against llama-bench results).
+    Bench(bench::BenchArgs),
 }
 
 impl Command {
@@ -29,7 +32,7 @@ impl Command {
     pub fn default_log_level(&self) -> &'static str {
         match self {
             Command::Serve(_) => "info",
-            Command::Generate(_) => "warn",
+            Command::Generate(_) | Command::Bench(_) => "warn",
         }
     }
 }
@@ -49,5 +52,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args).await,
         Command::Generate(args) => generate::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }

@@ -97,14 +97,24 @@ pub struct ValidatedCompletion {
     pub params: ValidatedParams,
 }
 
-/// Checks the `model` field against the served model's id: case-insensitive, and an
-/// `org/name` form whose last part matches is accepted too. A missing model means the served one.
+/// Checks the `model` field against the served model's id, case-insensitively. Also accepted:
+/// an `org/name` form whose last part matches, and the id without a file-style suffix (`X` for
+/// a served `X.Q4_1`). A missing model means the served one.
 pub fn check_model(requested: Option<&str>, served: &str) -> Result<String, ApiError> {
     let Some(requested) = requested.map(str::trim).filter(|m| !m.is_empty()) else {
         return Ok(served.to_string());
     };
     let last = requested.rsplit('/').next().unwrap_or(requested);
-    if requested.eq_ignore_ascii_case(served) || last.eq_ignore_ascii_case(served) {
+    let matches = |name: &str| {
+        if name.eq_ignore_ascii_case(served) {
+            return true;
+        }
+        match (served.get(..name.len()), served.get(name.len()..)) {
+            (Some(head), Some(tail)) => head.eq_ignore_ascii_case(name) && tail.starts_with('.'),
+            _ => false,
+        }
+    };
+    if matches(requested) || matches(last) {
         Ok(served.to_string())
     } else {
         Err(ApiError::ModelNotFound {

@@ -1,0 +1,241 @@
+//! Every bad input named by the API contract gets a 4xx with OpenAI's error JSON, never a 500,
+//! a panic or a hang; and an error after a stream began arrives as an SSE error event.
+
+mod common;
+
+use common::{TEST_BODY_LIMIT, base, client, model_id};
+use serde_json::{Value, json};
+
+/// Sends raw bytes and returns (status, error object), checking the OpenAI error shape.
+async fn raw(path: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = client()
+        .post(format!("{}{path}", base()))
+        .header("content-type", "application/json")
+        .body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.expect("request");
+    let status = resp.status().as_u16();
+    let text = resp.text().await.expect("body");
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"));
+    let err = v["error"].clone();
+    for key in ["message", "type", "param", "code"] {
+        assert!(err.get(key).is_some(), "error lacks {key}: {v}");
+    }
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    (status, err)
+}
+
+async fn chat(body: Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    raw(
+        "/v1/chat/completions",
+        serde_json::to_vec(&body).unwrap(),
+        headers,
+    )
+    .await
+}
+
+fn msgs() -> Value {
+    json!([{"role": "user", "content": "hi"}])
+}
+
+#[tokio::test]
+async fn malformed_json_is_400() {
+    let (s, e) = raw("/v1/chat/completions", b"{\"model\": ".to_vec(), &[]).await;
+    assert_eq!(s, 400);
+    assert_eq!(e["type"], "invalid_request_error");
+}
+
+#[tokio::test]
+async fn invalid_utf8_is_400() {
+    let (s, e) = raw(
+        "/v1/chat/completions",
+        b"{\"model\": \"\xff\xfe\"}".to_vec(),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(e["type"], "invalid_request_error");
+}
+
+#[tokio::test]
+async fn wrong_types_are_400_naming_the_field() {
+    for (field, value) in [
+        ("temperature", json!("hot")),
+        ("max_tokens", json!(-1)),
+        ("messages", json!("hi")),
+        ("stream", json!("yes")),
+        ("stop", json!(5)),
+    ] {
+        let mut body = json!({"model": model_id(), "messages": msgs()});
+        body[field] = value;
+        let (s, e) = chat(body, &[]).await;
+        assert_eq!(s, 400, "{field}: {e}");
+        assert_eq!(e["type"], "invalid_request_error");
+        assert!(
+            e["param"].as_str().is_some_and(|p| p.contains(field)),
+            "{field}: {e}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn missing_or_empty_messages_are_400() {
+    let (s, e) = chat(json!({"model": model_id()}), &[]).await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["param"], "messages");
+    let (s, e) = chat(json!({"model": model_id(), "messages": []}), &[]).await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["param"], "messages");
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": [{"role": "wizard", "content": "x"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+}
+
+#[tokio::test]
+async fn unknown_model_is_404() {
+    let (s, e) = chat(json!({"model": "gpt-17", "messages": msgs()}), &[]).await;
+    assert_eq!(s, 404, "{e}");
+    assert_eq!(e["code"], "model_not_found");
+    assert_eq!(e["param"], "model");
+}
+
+#[tokio::test]
+async fn prompt_longer_than_the_context_is_context_length_exceeded() {
+    let ctx = common::engine().model_info().context_length;
+    let long = "hello ".repeat(ctx + 100);
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": [{"role": "user", "content": long}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["code"], "context_length_exceeded");
+    let (s, e) = raw(
+        "/v1/completions",
+        serde_json::to_vec(&json!({"model": model_id(), "prompt": "hello ".repeat(ctx + 100)}))
+            .unwrap(),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["code"], "context_length_exceeded");
+}
+
+#[tokio::test]
+async fn max_tokens_past_the_context_is_400() {
+    let ctx = common::engine().model_info().context_length;
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs(), "max_tokens": ctx}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["param"], "max_tokens");
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413() {
+    let big = "x".repeat(TEST_BODY_LIMIT + 10);
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": [{"role": "user", "content": big}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 413, "{e}");
+}
+
+#[tokio::test]
+async fn unknown_cache_method_lists_the_valid_names() {
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs()}),
+        &[("x-kv-cache-method", "zip9")],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["type"], "invalid_request_error");
+    let m = e["message"].as_str().unwrap();
+    assert!(m.contains("fp16") && m.contains("zip9"), "{m}");
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs(), "kv_cache": {"method": "nope"}}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    assert!(e["message"].as_str().unwrap().contains("fp16"));
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs()}),
+        &[("x-kv-cache-bits", "three")],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs()}),
+        &[("x-kv-cache-method", "fp16"), ("x-kv-cache-bits", "3")],
+    )
+    .await;
+    assert_eq!(s, 400, "{e}");
+}
+
+#[tokio::test]
+async fn out_of_range_sampling_values_are_400() {
+    for (field, value) in [
+        ("temperature", json!(-1)),
+        ("top_p", json!(0)),
+        ("top_p", json!(1.5)),
+        ("min_p", json!(2)),
+        ("n", json!(2)),
+        ("top_logprobs", json!(50)),
+        ("frequency_penalty", json!(9)),
+        ("max_tokens", json!(0)),
+    ] {
+        let mut body = json!({"model": model_id(), "messages": msgs()});
+        body[field] = value.clone();
+        if field == "top_logprobs" {
+            body["logprobs"] = json!(true);
+        }
+        let (s, e) = chat(body, &[]).await;
+        assert_eq!(s, 400, "{field}={value}: {e}");
+        assert_eq!(e["param"], field, "{e}");
+    }
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_are_json() {
+    let r = client()
+        .get(format!("{}/v1/nothing", base()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+    let r = client()
+        .get(format!("{}/v1/chat/completions", base()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+}
+
+#[tokio::test]
+async fn missing_content_type_still_parses() {
+    let body = json!({"model": model_id(), "messages": msgs(), "max_tokens": 2});
+    let r = client()
+        .post(format!("{}/v1/chat/completions", base()))
+        .body(serde_json::to_vec(&body).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
