@@ -18,7 +18,7 @@ const PROMPTS: [&str; 8] = [
 ];
 
 fn body(prompt: &str, stream: bool) -> Value {
-    json!({"model": model_id(), "prompt": prompt, "temperature": 0, "max_tokens": 24, "stream": stream})
+    json!({"model": model_id(), "prompt": prompt, "temperature": 0, "max_tokens": 16, "stream": stream})
 }
 
 async fn stream_text(prompt: &str) -> String {

@@ -1,0 +1,79 @@
+//! Real clients against the real `kvq serve` binary: the official `openai` Python package
+//! (chat streaming and not, the cache-method header, error cases), `curl -N` checking the raw
+//! SSE lines, and `kvq generate` on the command line.
+
+use kvq_tests::server::{Server, kvq_bin};
+use kvq_tests::{default_gguf, golden, workspace_root};
+use std::process::Command;
+
+#[test]
+fn openai_python_client_and_curl() {
+    let server = Server::start(&["--model", default_gguf().to_str().expect("utf-8 path")]);
+    let script = workspace_root().join("tests/clients/openai_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&server.base)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named 'openai'"),
+        "the openai package is missing: scripts/test installs it (pip install openai)"
+    );
+    assert!(
+        out.status.success() && stdout.contains(" passed, 0 failed"),
+        "openai client checks failed:\n{stdout}\n{stderr}"
+    );
+    let curl = workspace_root().join("tests/clients/curl_sse.sh");
+    let out = Command::new("bash")
+        .arg(&curl)
+        .arg(&server.base)
+        .output()
+        .expect("bash runs");
+    assert!(
+        out.status.success(),
+        "curl SSE check failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn generate_streams_the_golden_completion_to_stdout() {
+    let case = &golden()["cases"][1];
+    let out = Command::new(kvq_bin())
+        .args(["generate", "--model"])
+        .arg(default_gguf())
+        .args(["--prompt", case["prompt"].as_str().expect("prompt")])
+        .args(["--max-tokens", "20", "--kv-cache-method", "f32"])
+        .output()
+        .expect("kvq generate runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.trim_end_matches('\n'),
+        case["greedy_text"].as_str().expect("text")
+    );
+}
+
+#[test]
+fn generate_with_an_unknown_method_fails_cleanly() {
+    let out = Command::new(kvq_bin())
+        .args(["generate", "--model"])
+        .arg(default_gguf())
+        .args(["--prompt", "hi", "--kv-cache-method", "nope"])
+        .output()
+        .expect("kvq generate runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("fp16"),
+        "error should list valid methods: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
