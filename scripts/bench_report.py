@@ -92,7 +92,7 @@ def main():
         commit += " (with uncommitted changes)"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     first = rows[0]
-    ll = first.get("llama_cpp") or {}
+    ll = next((r["llama_cpp"] for r in rows if r.get("llama_cpp")), {})
 
     out = []
     w = out.append
@@ -102,19 +102,21 @@ def main():
       f" \"{KEEP_FROM[3:]}\" section is written by hand and kept on regeneration. -->")
     w("")
     w(f"Model **{first['model']}** (the default model), KV cache `{first['method']}`,"
-      f" greedy decode of {first['gen_tokens']} tokens after a prompt of random tokens,"
-      f" {first['threads']} threads (kvq: candle's thread pool; llama.cpp: `-t"
-      f" {ll.get('n_threads', 2)}`). Both run on the same GGUF, interleaved in one run:"
-      f" {args.rounds} rounds of kvq then llama.cpp, every sample pooled; each cell is the"
-      " median (min–max) in tokens/s. Ratio = kvq / llama.cpp; above 1 kvq is faster.")
+      f" greedy decode of {first['gen_tokens']} tokens after a prompt of random tokens."
+      " Both run on the same GGUF with the same thread count (kvq: `RAYON_NUM_THREADS`,"
+      " candle's pool; llama.cpp: `-t`), interleaved in one run:"
+      f" {args.rounds} rounds of kvq then llama.cpp per thread count, every sample pooled;"
+      " each cell is the median (min–max) in tokens/s. Ratio = kvq / llama.cpp; above 1 kvq"
+      " is faster. 2 threads is this machine's full width; 1 thread measures the kernels"
+      " without either thread pool.")
     w("")
-    w("| prompt tokens | kvq pp t/s | llama.cpp pp t/s | pp ratio | kvq tg t/s |"
+    w("| threads | prompt tokens | kvq pp t/s | llama.cpp pp t/s | pp ratio | kvq tg t/s |"
       " llama.cpp tg t/s | tg ratio | llama.cpp tg t/s, empty context |")
-    w("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: (-r["threads"], r["method"], r["prompt_tokens"])):
         lc = r.get("llama_cpp") or {}
         depth = lc.get("tg_depth", 0)
-        w(f"| {r['prompt_tokens']} | {fmt(r['pp_tps'])} | {fmt(lc.get('pp_tps'))} |"
+        w(f"| {r['threads']} | {r['prompt_tokens']} | {fmt(r['pp_tps'])} | {fmt(lc.get('pp_tps'))} |"
           f" {ratio(lc.get('pp_ratio'))} | {fmt(r['tg_tps'])} |"
           f" {fmt(lc.get('tg_tps'))}{' @ d' + str(depth) if depth else ''} |"
           f" {ratio(lc.get('tg_ratio'))} | {fmt(lc.get('tg_tps_depth0'))} |")
@@ -125,8 +127,10 @@ def main():
       " after the N-token prompt. llama.cpp's matching test is `tg128 @ dN` (`-d N`: N tokens"
       " already in the KV cache); its default `tg128` from an empty context is the last"
       " column. kvq's decode time includes reading the logits back and the greedy pick.")
-    kv = ", ".join(f"{r['prompt_tokens']}+{r['gen_tokens']} tokens: "
-                   f"{r['kv_resident_bytes'] / 2**20:.1f} MiB" for r in rows)
+    kv = {}
+    for r in rows:
+        kv[(r["prompt_tokens"], r["gen_tokens"])] = r["kv_resident_bytes"]
+    kv = ", ".join(f"{p}+{g} tokens: {b / 2**20:.1f} MiB" for (p, g), b in sorted(kv.items()))
     rss = max((r.get("peak_rss_bytes") or 0) for r in rows)
     w(f"- kvq's resident KV cache ({first['method']}, block-allocated): {kv}; kvq's peak RSS"
       f" {rss / 2**20:.0f} MiB.")

@@ -100,6 +100,19 @@ impl CacheRegistry {
         &self.default
     }
 
+    /// Makes `name` the method used when a request names none.
+    pub fn set_default(&mut self, name: &str) -> Result<()> {
+        let name = name.trim().to_ascii_lowercase();
+        if !self.entries.contains_key(&name) {
+            return Err(CacheError::UnknownMethod {
+                name,
+                valid: self.names(),
+            });
+        }
+        self.default = name;
+        Ok(())
+    }
+
     /// Validates a request's choice and returns the factory to build its caches with.
     pub fn resolve(&self, spec: &CacheSpec) -> Result<ResolvedCache> {
         let name = spec
@@ -166,6 +179,15 @@ mod tests {
             matches!(&err, CacheError::UnknownMethod { valid, .. } if valid == &["f32", "fp16"])
         );
         assert!(err.to_string().contains("valid methods: f32, fp16"));
+    }
+
+    #[test]
+    fn default_can_change_to_a_known_method_only() {
+        let mut r = CacheRegistry::builtin();
+        r.set_default("F32").unwrap();
+        assert_eq!(r.resolve(&CacheSpec::default()).unwrap().name, "f32");
+        assert!(r.set_default("nope").is_err());
+        assert_eq!(r.default_method(), "f32");
     }
 
     #[test]

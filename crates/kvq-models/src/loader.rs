@@ -86,6 +86,23 @@ pub fn load(path: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedMod
     }
 }
 
+/// The model id for a GGUF file stem: the stem without a trailing quantization tag
+/// (`SmolLM2-135M-Instruct.Q4_1` -> `SmolLM2-135M-Instruct`).
+pub fn model_id_from_stem(stem: &str) -> String {
+    let is_quant = |tag: &str| {
+        let t = tag.to_ascii_uppercase();
+        let digit_after = |p: &str| {
+            t.strip_prefix(p)
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        };
+        digit_after("Q") || digit_after("IQ") || matches!(t.as_str(), "F16" | "F32" | "BF16")
+    };
+    match stem.rfind(['.', '-']) {
+        Some(i) if i > 0 && is_quant(&stem[i + 1..]) => stem[..i].to_string(),
+        _ => stem.to_string(),
+    }
+}
+
 fn info(cfg: &ModelConfig, id: String, source: &Path) -> ModelInfo {
     ModelInfo {
         id,
@@ -126,9 +143,10 @@ fn load_gguf(
         .cloned();
     let template = template_or_chatml(template_src.as_deref(), &tokenizer)?;
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
-    let id = path
-        .file_stem()
-        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    let id = path.file_stem().map_or_else(
+        || "model".to_string(),
+        |s| model_id_from_stem(&s.to_string_lossy()),
+    );
     Ok(LoadedModel {
         model,
         tokenizer: Arc::new(tokenizer),
@@ -192,6 +210,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ids_drop_the_quantization_tag() {
+        assert_eq!(
+            model_id_from_stem("SmolLM2-135M-Instruct.Q4_1"),
+            "SmolLM2-135M-Instruct"
+        );
+        assert_eq!(model_id_from_stem("gemma-3-270m-Q4_K_M"), "gemma-3-270m");
+        assert_eq!(model_id_from_stem("model.bf16"), "model");
+        assert_eq!(model_id_from_stem("Qwen2.5-Coder"), "Qwen2.5-Coder");
+        assert_eq!(model_id_from_stem("plain"), "plain");
+    }
+
+    #[test]
     fn hf_ids_resolve_to_cached_snapshots() {
         let hub = std::env::temp_dir().join(format!("kvq-hub-{}", std::process::id()));
         let repo = hub.join("models--org--tiny");
@@ -200,11 +230,19 @@ mod tests {
         std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
         // SAFETY: this test is the only one in the crate touching HF_HUB_CACHE.
         unsafe { std::env::set_var("HF_HUB_CACHE", &hub) };
-        assert_eq!(resolve_hf_id("org/tiny"), Some(repo.join("snapshots/abc123")));
-        assert_eq!(resolve_hf_id("org/tiny@abc123"), Some(repo.join("snapshots/abc123")));
+        assert_eq!(
+            resolve_hf_id("org/tiny"),
+            Some(repo.join("snapshots/abc123"))
+        );
+        assert_eq!(
+            resolve_hf_id("org/tiny@abc123"),
+            Some(repo.join("snapshots/abc123"))
+        );
         assert_eq!(resolve_hf_id("org/other"), None);
         assert_eq!(resolve_hf_id("not-an-id"), None);
-        let err = load(Path::new("org/missing"), &mut |_, _| {}).err().unwrap();
+        let err = load(Path::new("org/missing"), &mut |_, _| {})
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("hub cache"), "{err}");
         std::fs::remove_dir_all(&hub).unwrap();
     }

@@ -106,7 +106,8 @@ pub struct LlamaCpp {
     pub pp_ratio: Option<f64>,
     pub tg_ratio: Option<f64>,
     pub build_commit: Option<String>,
-    pub n_threads: Option<u64>,
+    /// llama-bench's `-t`, matched to kvq's thread count.
+    pub n_threads: u64,
 }
 
 /// One measured configuration.
@@ -332,7 +333,8 @@ fn peak_rss_bytes() -> Option<u64> {
 
 /// Pools the samples of rows with the same model, method and lengths from earlier runs.
 fn merge_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<BenchRow>> {
-    let mut merged: BTreeMap<(String, String, usize, usize), BenchRow> = BTreeMap::new();
+    type Key = (String, String, usize, usize, usize);
+    let mut merged: BTreeMap<Key, BenchRow> = BTreeMap::new();
     let mut order = Vec::new();
     for path in paths {
         let text = std::fs::read_to_string(path)
@@ -343,6 +345,7 @@ fn merge_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<BenchRow>> {
             let key = (
                 row.model.clone(),
                 row.method.clone(),
+                row.threads,
                 row.prompt_tokens,
                 row.gen_tokens,
             );
@@ -387,15 +390,13 @@ struct LlamaTest {
     samples_ts: Vec<f64>,
     #[serde(default)]
     build_commit: Option<String>,
-    #[serde(default)]
-    n_threads: Option<u64>,
+    n_threads: u64,
 }
 
-/// Every llama-bench test read, samples pooled per (prompt, generated, depth).
+/// Every llama-bench test read, samples pooled per (threads, prompt, generated, depth).
 struct LlamaBench {
-    samples: BTreeMap<(usize, usize, usize), Vec<f64>>,
+    samples: BTreeMap<(u64, usize, usize, usize), Vec<f64>>,
     build_commit: Option<String>,
-    n_threads: Option<u64>,
 }
 
 impl LlamaBench {
@@ -403,7 +404,6 @@ impl LlamaBench {
         let mut out = LlamaBench {
             samples: BTreeMap::new(),
             build_commit: None,
-            n_threads: None,
         };
         for path in paths {
             let text = std::fs::read_to_string(path)
@@ -413,25 +413,24 @@ impl LlamaBench {
             })?;
             for t in tests {
                 out.samples
-                    .entry((t.n_prompt, t.n_gen, t.n_depth))
+                    .entry((t.n_threads, t.n_prompt, t.n_gen, t.n_depth))
                     .or_default()
                     .extend(t.samples_ts);
                 out.build_commit = out.build_commit.or(t.build_commit);
-                out.n_threads = out.n_threads.or(t.n_threads);
             }
         }
         Ok(out)
     }
 
-    fn stats(&self, key: (usize, usize, usize)) -> Option<Stats> {
+    fn stats(&self, key: (u64, usize, usize, usize)) -> Option<Stats> {
         self.samples.get(&key).and_then(|s| Stats::new(s.clone()))
     }
 
     fn compare(&self, row: &BenchRow) -> LlamaCpp {
-        let (n, g) = (row.prompt_tokens, row.gen_tokens);
-        let pp = self.stats((n, 0, 0));
-        let tg0 = self.stats((0, g, 0));
-        let (tg, depth) = match self.stats((0, g, n)) {
+        let (n, g, t) = (row.prompt_tokens, row.gen_tokens, row.threads as u64);
+        let pp = self.stats((t, n, 0, 0));
+        let tg0 = self.stats((t, 0, g, 0));
+        let (tg, depth) = match self.stats((t, 0, g, n)) {
             Some(s) => (Some(s), n),
             None => (tg0.clone(), 0),
         };
@@ -444,7 +443,7 @@ impl LlamaBench {
             tg_depth: depth,
             tg_tps_depth0: tg0,
             build_commit: self.build_commit.clone(),
-            n_threads: self.n_threads,
+            n_threads: t,
         }
     }
 }
@@ -468,7 +467,7 @@ fn fmt_mib(b: u64) -> String {
 /// The rows as a Markdown-compatible table; llama.cpp columns when compared.
 fn render_table(rows: &[BenchRow]) -> String {
     let compared = rows.iter().any(|r| r.llama_cpp.is_some());
-    let mut header = vec!["method", "prompt", "gen", "kvq pp tok/s"];
+    let mut header = vec!["method", "threads", "prompt", "gen", "kvq pp tok/s"];
     if compared {
         header.extend(["llama.cpp pp tok/s", "pp ratio"]);
     }
@@ -482,6 +481,7 @@ fn render_table(rows: &[BenchRow]) -> String {
     for r in rows {
         let mut cells = vec![
             Cell::new(&r.method),
+            Cell::new(r.threads),
             Cell::new(r.prompt_tokens),
             Cell::new(r.gen_tokens),
             Cell::new(fmt_stats(&r.pp_tps)),
@@ -555,54 +555,69 @@ mod plot {
         RGBColor(148, 103, 189),
         RGBColor(140, 86, 75),
     ];
-    const LLAMA_COLOR: RGBColor = RGBColor(255, 127, 14);
+    const LLAMA_COLORS: &[RGBColor] = &[RGBColor(255, 127, 14), RGBColor(214, 39, 40)];
 
     fn series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
-        let mut methods: Vec<&str> = Vec::new();
+        // One kvq series per (method, threads), then one llama.cpp series per thread count.
+        let mut keys: Vec<(&str, usize)> = Vec::new();
         for r in rows {
-            if !methods.contains(&r.method.as_str()) {
-                methods.push(&r.method);
+            if !keys.contains(&(r.method.as_str(), r.threads)) {
+                keys.push((&r.method, r.threads));
             }
         }
-        let pick = |method: &str, n: usize| {
-            rows.iter()
-                .find(|r| r.method == method && r.prompt_tokens == n)
+        let mut threads: Vec<usize> = keys.iter().map(|k| k.1).collect();
+        threads.sort_unstable();
+        threads.dedup();
+        let label = |name: String, t: usize| {
+            if threads.len() > 1 {
+                format!("{name}, {t} thread{}", if t == 1 { "" } else { "s" })
+            } else {
+                name
+            }
         };
-        let mut out: Vec<Series> = methods
+        let pick = |(method, t): (&str, usize), n: usize| {
+            rows.iter()
+                .find(|r| r.method == method && r.threads == t && r.prompt_tokens == n)
+        };
+        let mut out: Vec<Series> = keys
             .iter()
             .enumerate()
-            .map(|(i, m)| Series {
-                label: format!("kvq {m}"),
+            .map(|(i, &k)| Series {
+                label: label(format!("kvq {}", k.0), k.1),
                 color: COLORS[i % COLORS.len()],
                 pp: lengths
                     .iter()
-                    .map(|&n| pick(m, n).map(|r| r.pp_tps.median))
+                    .map(|&n| pick(k, n).map(|r| r.pp_tps.median))
                     .collect(),
                 tg: lengths
                     .iter()
-                    .map(|&n| pick(m, n).map(|r| r.tg_tps.median))
+                    .map(|&n| pick(k, n).map(|r| r.tg_tps.median))
                     .collect(),
             })
             .collect();
-        if rows.iter().any(|r| r.llama_cpp.is_some()) {
+        let med = |s: &Option<Stats>| s.as_ref().map(|s| s.median);
+        for (i, &t) in threads.iter().enumerate() {
             let llama = |n: usize, f: &dyn Fn(&super::LlamaCpp) -> Option<f64>| {
                 rows.iter()
-                    .filter(|r| r.prompt_tokens == n)
+                    .filter(|r| r.prompt_tokens == n && r.threads == t)
                     .find_map(|r| r.llama_cpp.as_ref().and_then(f))
             };
-            let med = |s: &Option<Stats>| s.as_ref().map(|s| s.median);
-            out.push(Series {
-                label: "llama.cpp".into(),
-                color: LLAMA_COLOR,
-                pp: lengths
-                    .iter()
-                    .map(|&n| llama(n, &|l| med(&l.pp_tps)))
-                    .collect(),
-                tg: lengths
-                    .iter()
-                    .map(|&n| llama(n, &|l| med(&l.tg_tps)))
-                    .collect(),
-            });
+            let pp: Vec<Option<f64>> = lengths
+                .iter()
+                .map(|&n| llama(n, &|l| med(&l.pp_tps)))
+                .collect();
+            let tg: Vec<Option<f64>> = lengths
+                .iter()
+                .map(|&n| llama(n, &|l| med(&l.tg_tps)))
+                .collect();
+            if pp.iter().chain(&tg).any(Option::is_some) {
+                out.push(Series {
+                    label: label("llama.cpp".into(), t),
+                    color: LLAMA_COLORS[i % LLAMA_COLORS.len()],
+                    pp,
+                    tg,
+                });
+            }
         }
         out
     }

@@ -1,5 +1,6 @@
-//! `kvq serve`: load the model, start the engine, bind, print `kvq listening on http://ADDR`
-//! and serve until ctrl-c.
+//! `kvq serve`: read the optional config file, load the model, start the engine, bind, print
+//! `kvq listening on http://ADDR` and serve until ctrl-c. Flags win over the config file, which
+//! wins over the defaults.
 
 use super::model::{load_with_progress, resolve_model_path};
 use anyhow::Context;
@@ -12,30 +13,100 @@ use std::sync::Arc;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on; 0 picks a free one (the bound address is printed).
-    #[arg(long, default_value_t = 8080)]
-    pub port: u16,
+    /// A TOML file with any of the settings below (see configs/server.toml); flags win over it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on; 0 picks a free one (the bound address is printed) [default: 8080].
+    #[arg(long)]
+    pub port: Option<u16>,
     /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Sequences generating at once.
-    #[arg(long, default_value_t = EngineConfig::default().max_running)]
-    pub max_running: usize,
-    /// Requests allowed to wait; past that requests get 503 with Retry-After.
-    #[arg(long, default_value_t = EngineConfig::default().max_waiting)]
-    pub max_waiting: usize,
-    /// Largest request body accepted, in bytes (413 past it).
-    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
-    pub max_body_bytes: usize,
-    /// Largest `n` (choices per request) accepted.
-    #[arg(long, default_value_t = 1)]
-    pub max_n: usize,
+    /// Sequences generating at once [default: 16].
+    #[arg(long)]
+    pub max_running: Option<usize>,
+    /// Requests allowed to wait; past that requests get 503 with Retry-After [default: 256].
+    #[arg(long)]
+    pub max_waiting: Option<usize>,
+    /// Largest request body accepted, in bytes (413 past it) [default: 4194304].
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Largest `n` (choices per request) accepted [default: 1].
+    #[arg(long)]
+    pub max_n: Option<usize>,
+    /// KV cache method for requests that name none [default: fp16].
+    #[arg(long)]
+    pub default_kv_cache_method: Option<String>,
+}
+
+/// The config file: every field optional, unknown fields rejected.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    host: Option<String>,
+    port: Option<u16>,
+    model: Option<PathBuf>,
+    max_running: Option<usize>,
+    max_waiting: Option<usize>,
+    max_body_bytes: Option<usize>,
+    max_n: Option<usize>,
+    default_kv_cache_method: Option<String>,
+}
+
+/// The settings after merging flags, file and defaults.
+struct Settings {
+    host: String,
+    port: u16,
+    model: Option<PathBuf>,
+    max_running: usize,
+    max_waiting: usize,
+    max_body_bytes: usize,
+    max_n: usize,
+    default_method: Option<String>,
+}
+
+fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
+    let file = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("could not read {}", p.display()))?;
+            toml::from_str::<FileConfig>(&text)
+                .with_context(|| format!("invalid config file {}", p.display()))?
+        }
+        None => FileConfig::default(),
+    };
+    let engine = EngineConfig::default();
+    Ok(Settings {
+        host: args
+            .host
+            .or(file.host)
+            .unwrap_or_else(|| "127.0.0.1".into()),
+        port: args.port.or(file.port).unwrap_or(8080),
+        model: args.model.or(file.model),
+        max_running: args
+            .max_running
+            .or(file.max_running)
+            .unwrap_or(engine.max_running),
+        max_waiting: args
+            .max_waiting
+            .or(file.max_waiting)
+            .unwrap_or(engine.max_waiting),
+        max_body_bytes: args
+            .max_body_bytes
+            .or(file.max_body_bytes)
+            .unwrap_or(DEFAULT_MAX_BODY_BYTES),
+        max_n: args.max_n.or(file.max_n).unwrap_or(1),
+        default_method: args
+            .default_kv_cache_method
+            .or(file.default_kv_cache_method),
+    })
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let args = settings(args)?;
     anyhow::ensure!(args.max_running >= 1, "--max-running must be at least 1");
     anyhow::ensure!(args.max_n >= 1, "--max-n must be at least 1");
     let path = resolve_model_path(args.model)?;
@@ -46,7 +117,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     let engine = Engine::start(model, config);
-    let registry = Arc::new(CacheRegistry::builtin());
+    let mut registry = CacheRegistry::builtin();
+    if let Some(m) = &args.default_method {
+        registry.set_default(m)?;
+    }
+    let registry = Arc::new(registry);
     tracing::info!(methods = %registry.names().join(", "), default = registry.default_method(), "kv cache methods");
     let state = AppState {
         engine,
@@ -67,4 +142,50 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     serve(listener, state).await.context("the server failed")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<PathBuf>, port: Option<u16>) -> ServeArgs {
+        ServeArgs {
+            config,
+            host: None,
+            port,
+            model: None,
+            max_running: None,
+            max_waiting: None,
+            max_body_bytes: None,
+            max_n: None,
+            default_kv_cache_method: None,
+        }
+    }
+
+    #[test]
+    fn the_shipped_config_parses_and_flags_win() {
+        let shipped = PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/server.toml"
+        ));
+        let s = settings(args(Some(shipped.clone()), None)).unwrap();
+        assert_eq!((s.host.as_str(), s.port), ("127.0.0.1", 8080));
+        assert_eq!(s.default_method.as_deref(), Some("fp16"));
+        let s = settings(args(Some(shipped), Some(9000))).unwrap();
+        assert_eq!(s.port, 9000);
+        let s = settings(args(None, None)).unwrap();
+        assert_eq!(
+            (s.max_running, s.max_body_bytes),
+            (16, DEFAULT_MAX_BODY_BYTES)
+        );
+    }
+
+    #[test]
+    fn unknown_config_keys_are_rejected() {
+        let p = std::env::temp_dir().join(format!("kvq-serve-{}.toml", std::process::id()));
+        std::fs::write(&p, "prot = 1\n").unwrap();
+        let err = settings(args(Some(p.clone()), None)).err().unwrap();
+        assert!(format!("{err:#}").contains("prot"), "{err:#}");
+        let _ = std::fs::remove_file(p);
+    }
 }
