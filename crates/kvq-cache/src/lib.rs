@@ -5,6 +5,8 @@
 //! without ever materializing them in fp16.
 
 pub mod attention;
+pub mod codec;
+pub mod compressed;
 pub mod error;
 pub mod methods;
 pub mod registry;

@@ -2,6 +2,7 @@
 //! to cache factories, and validates the requested bits.
 
 use crate::methods::dense::DenseFactory;
+use crate::methods::turboquant_mse::TurboQuantMseFactory;
 use crate::traits::CacheFactory;
 use crate::{CacheError, Result};
 use std::collections::BTreeMap;
@@ -68,6 +69,9 @@ impl CacheRegistry {
         });
         r.register("f32", vec![32], 32, |_| {
             Ok(Arc::new(DenseFactory::<f32>::new()))
+        });
+        r.register("turboquant-mse", vec![2, 3, 4], 4, |b| {
+            Ok(Arc::new(TurboQuantMseFactory::new(u32::from(b))))
         });
         r
     }
@@ -176,9 +180,12 @@ mod tests {
         };
         let err = r.resolve(&spec).unwrap_err();
         assert!(
-            matches!(&err, CacheError::UnknownMethod { valid, .. } if valid == &["f32", "fp16"])
+            matches!(&err, CacheError::UnknownMethod { valid, .. } if valid == &["f32", "fp16", "turboquant-mse"])
         );
-        assert!(err.to_string().contains("valid methods: f32, fp16"));
+        assert!(
+            err.to_string()
+                .contains("valid methods: f32, fp16, turboquant-mse")
+        );
     }
 
     #[test]

@@ -33,8 +33,19 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / p.temperature;
-        // Candidates sorted by logit, descending; top-k trims before softmax.
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        // Candidates sorted by logit, descending. Tokens whose probability is below 1e-9 of the
+        // best can never matter to top-p, min-p or the draw (their total mass is < vocab * 1e-9),
+        // so they are dropped before sorting: the sort then covers hundreds of tokens, not the
+        // whole vocabulary.
+        let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let floor = best - 9.0 * std::f32::consts::LN_10 * p.temperature;
+        let mut idx: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&i| logits[i as usize] >= floor)
+            .collect();
+        if idx.is_empty() {
+            // Only possible with non-finite logits; fall back to the plain maximum.
+            return argmax(logits);
+        }
         let k = if p.top_k > 0 {
             p.top_k.min(idx.len())
         } else {

@@ -14,10 +14,21 @@ pub struct Linear {
     b: Option<Tensor>,
 }
 
+/// Rows at or above which a quantized weight is dequantized for one f32 matmul instead of
+/// quantizing every activation row (prompt processing: the dequantization is amortized over
+/// the rows, and the f32 GEMM is blocked and vectorized where the row-by-row dot products are not).
+const DEQUANT_MIN_ROWS: usize = 32;
+
 impl Linear {
     /// Applies the layer to `[T, in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.w.forward(x)?;
+        let y = match &self.w {
+            QMatMul::QTensor(q) if x.dim(0)? >= DEQUANT_MIN_ROWS => {
+                let w = q.dequantize(x.device())?;
+                x.matmul(&w.t()?)?
+            }
+            w => w.forward(x)?,
+        };
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
             None => y,

@@ -1,0 +1,100 @@
+//! The randomized Hadamard rotation `x -> H D x / sqrt(n)`: random signs `D` (seeded), then the
+//! fast Walsh-Hadamard transform. Orthogonal, so norms and inner products are preserved, and it
+//! spreads outlier channels over all coordinates.
+
+/// In-place fast Walsh-Hadamard transform (unnormalized); `x.len()` must be a power of two.
+pub fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// A seeded randomized Hadamard rotation of dimension `n` (a power of two).
+#[derive(Debug, Clone)]
+pub struct Rotation {
+    signs: Vec<f32>,
+    scale: f32,
+}
+
+impl Rotation {
+    /// Signs drawn from a splitmix64 stream seeded by `seed`.
+    pub fn new(n: usize, seed: u64) -> Self {
+        assert!(
+            n.is_power_of_two(),
+            "Hadamard dimension must be a power of two"
+        );
+        let mut s = seed;
+        let signs = (0..n)
+            .map(|_| {
+                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = s;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                if (z ^ (z >> 31)) & 1 == 0 { 1.0 } else { -1.0 }
+            })
+            .collect();
+        Self {
+            signs,
+            scale: 1.0 / (n as f32).sqrt(),
+        }
+    }
+
+    /// Dimension.
+    pub fn dim(&self) -> usize {
+        self.signs.len()
+    }
+
+    /// `x <- H D x / sqrt(n)`.
+    pub fn apply(&self, x: &mut [f32]) {
+        for (v, s) in x.iter_mut().zip(&self.signs) {
+            *v *= s;
+        }
+        fwht(x);
+        for v in x.iter_mut() {
+            *v *= self.scale;
+        }
+    }
+
+    /// The inverse: `x <- D H x / sqrt(n)`.
+    pub fn invert(&self, x: &mut [f32]) {
+        fwht(x);
+        for (v, s) in x.iter_mut().zip(&self.signs) {
+            *v *= s * self.scale;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_is_orthogonal_and_invertible() {
+        let r = Rotation::new(64, 7);
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        let y: Vec<f32> = (0..64).map(|i| ((i * 13) % 7) as f32 - 3.0).collect();
+        let (mut rx, mut ry) = (x.clone(), y.clone());
+        r.apply(&mut rx);
+        r.apply(&mut ry);
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+        assert!((dot(&x, &y) - dot(&rx, &ry)).abs() < 1e-3);
+        assert!((dot(&x, &x) - dot(&rx, &rx)).abs() < 1e-3);
+        r.invert(&mut rx);
+        assert!(x.iter().zip(&rx).all(|(a, b)| (a - b).abs() < 1e-4));
+    }
+
+    #[test]
+    fn seeds_give_different_signs() {
+        assert_ne!(Rotation::new(64, 1).signs, Rotation::new(64, 2).signs);
+    }
+}

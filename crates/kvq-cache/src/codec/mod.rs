@@ -1,0 +1,6 @@
+//! Building blocks the compressed methods share: bit packing, the randomized Hadamard rotation,
+//! data-free Lloyd-Max scalar codebooks and seeded random matrices.
+
+pub mod bitpack;
+pub mod hadamard;
+pub mod lloyd_max;
