@@ -90,7 +90,9 @@ def main():
     commit = sh("git", "rev-parse", "--short", "HEAD") or "unknown"
     if sh("git", "status", "--porcelain", "--untracked-files=no"):
         commit += " (with uncommitted changes)"
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    measured = os.path.getmtime(os.path.join(args.dir, "merged.json"))
+    now = datetime.datetime.fromtimestamp(measured, datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M UTC")
     first = rows[0]
     ll = next((r["llama_cpp"] for r in rows if r.get("llama_cpp")), {})
 
@@ -105,7 +107,7 @@ def main():
       f" greedy decode of {first['gen_tokens']} tokens after a prompt of random tokens."
       " Both run on the same GGUF with the same thread count (kvq: `RAYON_NUM_THREADS`,"
       " candle's pool; llama.cpp: `-t`), interleaved in one run:"
-      f" {args.rounds} rounds of kvq then llama.cpp per thread count, every sample pooled;"
+      f" {args.rounds} round(s) of kvq then llama.cpp per thread count, every sample pooled;"
       " each cell is the median (min–max) in tokens/s. Ratio = kvq / llama.cpp; above 1 kvq"
       " is faster. 2 threads is this machine's full width; 1 thread measures the kernels"
       " without either thread pool.")

@@ -158,9 +158,9 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
                 let c1 = (pos + 1).saturating_sub(self.window).max(start);
                 let c0 = self.sinks.max(start).min(c1);
                 let qrow = &q[(h * t + r) * d..(h * t + r + 1) * d];
-                for j in start..c0 {
+                for (j, s) in scores.iter_mut().enumerate().take(c0).skip(start) {
                     self.sink_k.row(kh, j, d, &mut row);
-                    scores[j] = dot(qrow, &row) * scale;
+                    *s = dot(qrow, &row) * scale;
                 }
                 if c1 > c0 {
                     self.keys.prepare(kh, qrow, &mut state);
@@ -168,19 +168,19 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
                     self.keys.scores(kh, &state, codes, &mut scores[c0..c1]);
                     scores[c0..c1].iter_mut().for_each(|s| *s *= scale);
                 }
-                for j in c1..=pos {
+                for (j, s) in scores.iter_mut().enumerate().take(pos + 1).skip(c1) {
                     self.recent_k.row(kh, j, d, &mut row);
-                    scores[j] = dot(qrow, &row) * scale;
+                    *s = dot(qrow, &row) * scale;
                 }
                 softmax_in_place(&mut scores[start..=pos]);
                 let orow = &mut out[(h * t + r) * d..(h * t + r + 1) * d];
-                for j in start..c0 {
+                for (j, &p) in scores.iter().enumerate().take(c0).skip(start) {
                     self.sink_v.row(kh, j, d, &mut row);
-                    axpy(orow, scores[j], &row);
+                    axpy(orow, p, &row);
                 }
-                for j in c1..=pos {
+                for (j, &p) in scores.iter().enumerate().take(pos + 1).skip(c1) {
                     self.recent_v.row(kh, j, d, &mut row);
-                    axpy(orow, scores[j], &row);
+                    axpy(orow, p, &row);
                 }
                 if c1 > c0 {
                     acc.fill(0.0);

@@ -5,7 +5,9 @@ pub mod config;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use weights::{Embedding, GgufWeights, Linear, SafetensorsWeights, WeightSource};
+pub use weights::{
+    DEQUANT_MIN_ROWS, Embedding, GgufWeights, Linear, SafetensorsWeights, WeightSource,
+};
 
 use crate::{ModelError, Result};
 use candle_core::{D, DType, Device, Tensor};
@@ -121,8 +123,6 @@ impl Model {
     /// Returns each sequence's logits, `[1, vocab]` (or `[t, vocab]` with `all_logits`), in f32.
     pub fn forward(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<Tensor>> {
         let cfg = &self.cfg;
-        let mut ids = Vec::new();
-        let mut spans = Vec::with_capacity(steps.len());
         for s in steps.iter() {
             if s.tokens.is_empty() {
                 return Err(ModelError::Invalid("a step with no tokens".into()));
@@ -140,8 +140,22 @@ impl Model {
                     cfg.context_length
                 )));
             }
-            spans.push((ids.len(), s.tokens.len(), pos));
+        }
+        // Rows of long prompt chunks first (they take the dequantized GEMM), then the rest;
+        // `spans[i]` is step i's (row offset, rows, first position) in that order.
+        let long = |s: &SeqStep<'_>| s.tokens.len() >= DEQUANT_MIN_ROWS;
+        let mut order: Vec<usize> = (0..steps.len()).collect();
+        order.sort_by_key(|&i| !long(&steps[i]));
+        let mut ids = Vec::new();
+        let mut spans = vec![(0, 0, 0); steps.len()];
+        let mut dense_rows = 0;
+        for &i in &order {
+            let s = &steps[i];
+            spans[i] = (ids.len(), s.tokens.len(), s.cache.len());
             ids.extend_from_slice(s.tokens);
+            if long(s) {
+                dense_rows += s.tokens.len();
+            }
         }
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
@@ -150,9 +164,9 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
-            let q = layer.wq.forward(&h)?;
-            let k = layer.wk.forward(&h)?;
-            let v = layer.wv.forward(&h)?;
+            let q = layer.wq.forward_split(&h, dense_rows)?;
+            let k = layer.wk.forward_split(&h, dense_rows)?;
+            let v = layer.wv.forward_split(&h, dense_rows)?;
             let mut outs = Vec::with_capacity(steps.len());
             for (s, &(off, t, pos)) in steps.iter_mut().zip(&spans) {
                 let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
@@ -169,16 +183,21 @@ impl Model {
                 let o = cache.attend(&qi, scale)?;
                 outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
             }
+            // Back in row order: `outs` is in step order, rows are long chunks first.
+            let mut by_row: Vec<(usize, Tensor)> = spans.iter().map(|sp| sp.0).zip(outs).collect();
+            by_row.sort_by_key(|(off, _)| *off);
+            let mut outs: Vec<Tensor> = by_row.into_iter().map(|(_, t)| t).collect();
             let attn = if outs.len() == 1 {
                 outs.pop()
                     .ok_or_else(|| ModelError::Invalid("empty batch".into()))?
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            x = (x + layer.wo.forward(&attn)?)?;
+            x = (x + layer.wo.forward_split(&attn, dense_rows)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps as f32)?;
-            let g = candle_nn::ops::silu(&layer.gate.forward(&h)?)?;
-            let m = layer.down.forward(&(g * layer.up.forward(&h)?)?)?;
+            let g = candle_nn::ops::silu(&layer.gate.forward_split(&h, dense_rows)?)?;
+            let up = layer.up.forward_split(&h, dense_rows)?;
+            let m = layer.down.forward_split(&(g * up)?, dense_rows)?;
             x = (x + m)?;
         }
         let mut rows = Vec::new();

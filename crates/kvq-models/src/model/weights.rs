@@ -14,18 +14,34 @@ pub struct Linear {
     b: Option<Tensor>,
 }
 
-/// Rows at or above which a quantized weight is dequantized for one f32 matmul instead of
-/// quantizing every activation row (prompt processing: the dequantization is amortized over
-/// the rows, and the f32 GEMM is blocked and vectorized where the row-by-row dot products are not).
-const DEQUANT_MIN_ROWS: usize = 32;
+/// Prompt chunks of at least this many tokens run their projections as one f32 GEMM against the
+/// dequantized weight instead of quantizing every activation row: the dequantization is
+/// amortized over the rows, and the GEMM is blocked and vectorized where the row-by-row q8 dot
+/// products are not.
+pub const DEQUANT_MIN_ROWS: usize = 32;
 
 impl Linear {
-    /// Applies the layer to `[T, in]`.
+    /// Applies the layer to `[T, in]` with the weight's own kernel (q8 activations for a
+    /// quantized weight).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_split(x, 0)
+    }
+
+    /// Applies the layer to `[T, in]`, where the first `dense_rows` rows belong to long prompt
+    /// chunks and go through the dequantized f32 GEMM. Each row's result depends only on which
+    /// of the two paths it takes, never on the other rows of the batch.
+    pub fn forward_split(&self, x: &Tensor, dense_rows: usize) -> Result<Tensor> {
+        let n = x.dim(0)?;
         let y = match &self.w {
-            QMatMul::QTensor(q) if x.dim(0)? >= DEQUANT_MIN_ROWS => {
+            QMatMul::QTensor(q) if dense_rows > 0 => {
                 let w = q.dequantize(x.device())?;
-                x.matmul(&w.t()?)?
+                let dense = x.narrow(0, 0, dense_rows)?.matmul(&w.t()?)?;
+                if dense_rows == n {
+                    dense
+                } else {
+                    let rest = self.w.forward(&x.narrow(0, dense_rows, n - dense_rows)?)?;
+                    Tensor::cat(&[dense, rest], 0)?
+                }
             }
             w => w.forward(x)?,
         };

@@ -127,7 +127,8 @@ impl<E: Element> DenseCache<E> {
         }
     }
 
-    /// Direct attention for a few query rows: scores, softmax, values, block by block.
+    /// Direct attention for a few query rows. Each kv head's blocks are converted to f32 once
+    /// and scored against all the query rows of its group (GQA), then the values likewise.
     fn attend_rows(&self, q: &[f32], t: usize, scale: f32) -> Vec<f32> {
         let CacheGeometry {
             n_heads,
@@ -137,24 +138,41 @@ impl<E: Element> DenseCache<E> {
             ..
         } = self.geom;
         let group = n_heads / n_kv_heads;
+        let rows = group * t;
+        let len = self.len;
         let mut out = vec![0f32; n_heads * t * d];
-        let mut scores = vec![0f32; self.len];
-        let mut row = vec![0f32; BLOCK_TOKENS * d];
-        for h in 0..n_heads {
-            let kh = h / group;
-            for r in 0..t {
-                let pos = self.len - t + r;
-                let start = window_start(pos, sliding_window);
-                let qrow = &q[(h * t + r) * d..(h * t + r + 1) * d];
-                self.for_each_block(kh, true, start, pos, &mut row, |j, x| {
-                    scores[j] = dot(qrow, x) * scale;
-                });
-                softmax_in_place(&mut scores[start..=pos]);
-                let orow = &mut out[(h * t + r) * d..(h * t + r + 1) * d];
-                self.for_each_block(kh, false, start, pos, &mut row, |j, x| {
-                    axpy(orow, scores[j], x);
-                });
+        let mut scores = vec![0f32; rows * len];
+        let mut scratch = vec![0f32; BLOCK_TOKENS * d];
+        // Row `i` of a group is query head `kh * group + i / t`, position `len - t + i % t`.
+        let range = |i: usize| {
+            let pos = len - t + i % t;
+            (window_start(pos, sliding_window), pos)
+        };
+        let first = (0..rows).map(|i| range(i).0).min().unwrap_or(0);
+        for kh in 0..n_kv_heads {
+            let qbase = kh * group * t * d;
+            self.for_each_block(kh, true, first, len - 1, &mut scratch, |j, x| {
+                for i in 0..rows {
+                    let (start, pos) = range(i);
+                    if j >= start && j <= pos {
+                        let qrow = &q[qbase + i * d..qbase + (i + 1) * d];
+                        scores[i * len + j] = dot(qrow, x) * scale;
+                    }
+                }
+            });
+            for i in 0..rows {
+                let (start, pos) = range(i);
+                softmax_in_place(&mut scores[i * len + start..=i * len + pos]);
             }
+            let o = &mut out[qbase..qbase + rows * d];
+            self.for_each_block(kh, false, first, len - 1, &mut scratch, |j, x| {
+                for i in 0..rows {
+                    let (start, pos) = range(i);
+                    if j >= start && j <= pos {
+                        axpy(&mut o[i * d..(i + 1) * d], scores[i * len + j], x);
+                    }
+                }
+            });
         }
         out
     }
