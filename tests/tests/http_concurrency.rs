@@ -58,3 +58,48 @@ async fn eight_concurrent_streams_each_get_their_own_greedy_output() {
         "outputs should differ by prompt: {together:?}"
     );
 }
+
+/// Requests with different cache methods, running at the same time, each get the output they
+/// get alone; the compressed cache reports fewer resident bytes than fp16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn different_cache_methods_at_once_each_get_their_own_output() {
+    // Longer than the 64-token fp16 window, so the compressed path really runs.
+    let prompt =
+        "The following is a short history of the printing press and its effect on Europe. "
+            .repeat(6);
+    let methods: [(&str, Option<&str>); 4] = [
+        ("fp16", None),
+        ("f32", None),
+        ("turboquant-mse", Some("4")),
+        ("turboquant-mse", Some("2")),
+    ];
+    let run = |m: &'static str, bits: Option<&'static str>| {
+        let body = body(&prompt, false);
+        async move {
+            let mut headers = vec![("x-kv-cache-method", m)];
+            if let Some(b) = bits {
+                headers.push(("x-kv-cache-bits", b));
+            }
+            let (s, h, v) = post_json("/v1/completions", &body, &headers).await;
+            assert_eq!(s, 200, "{m}: {v}");
+            assert_eq!(h["x-kv-cache-method"], m);
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                v["usage"]["kv_cache_bytes"].as_u64().unwrap(),
+            )
+        }
+    };
+    let mut solo = Vec::new();
+    for (m, b) in methods {
+        solo.push(run(m, b).await);
+    }
+    let together = futures::future::join_all(methods.iter().map(|&(m, b)| run(m, b))).await;
+    for ((m, b), (a, t)) in methods.iter().zip(solo.iter().zip(&together)) {
+        assert_eq!(a.0, t.0, "{m} {b:?}: alone vs together");
+    }
+    let (fp16_bytes, tq2_bytes) = (solo[0].1, solo[3].1);
+    assert!(
+        tq2_bytes * 2 < fp16_bytes,
+        "turboquant-mse 2-bit holds {tq2_bytes} bytes, fp16 {fp16_bytes}"
+    );
+}

@@ -126,7 +126,7 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
             for r in rows.rows.iter_mut() {
                 r.drain(..drop.min(r.len()));
                 // After a long prompt chunk, give the memory back: keep room for the window.
-                if r.capacity() > 2 * (self.window + 1) * d {
+                if r.capacity() > (self.window + 1) * d * 5 / 4 {
                     r.shrink_to((self.window + 1) * d);
                 }
             }
@@ -268,6 +268,8 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
         }
         let qv = q.flatten_all()?.to_vec1::<f32>()?;
         let out = self.attend_rows(&qv, t, scale);
+        // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.
+        self.trim_recent();
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
     }
 
