@@ -2,6 +2,7 @@
 //! batched over sequences, with attention delegated to each sequence's `KvCache`.
 
 pub mod config;
+pub mod q4_1;
 pub mod weights;
 
 pub use config::ModelConfig;

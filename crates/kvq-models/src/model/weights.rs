@@ -1,6 +1,7 @@
 //! Where weights come from: GGUF (quantized, kept quantized) or safetensors (f32/f16/bf16, held as
 //! f32), behind one `WeightSource` so a single model definition serves both.
 
+use super::q4_1::Q41Weight;
 use crate::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
 use candle_core::{DType, Device, Module, Tensor};
@@ -12,6 +13,8 @@ use std::sync::Arc;
 pub struct Linear {
     w: QMatMul,
     b: Option<Tensor>,
+    /// The weight repacked for the AVX2 Q4_1 kernel when it is Q4_1 on the CPU.
+    q41: Option<Arc<Q41Weight>>,
 }
 
 /// Prompt chunks of at least this many tokens run their projections as one f32 GEMM against the
@@ -21,6 +24,23 @@ pub struct Linear {
 pub const DEQUANT_MIN_ROWS: usize = 32;
 
 impl Linear {
+    /// A layer from its weight and optional bias.
+    pub fn new(w: QMatMul, b: Option<Tensor>) -> Result<Self> {
+        let q41 = match &w {
+            QMatMul::QTensor(q) => Q41Weight::from_qtensor(q)?.map(Arc::new),
+            _ => None,
+        };
+        Ok(Self { w, b, q41 })
+    }
+
+    /// The quantized path (rows of decode and short chunks).
+    fn forward_quantized(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.q41 {
+            Some(q) if x.rank() == 2 && x.dtype() == DType::F32 => q.forward(x),
+            _ => Ok(self.w.forward(x)?),
+        }
+    }
+
     /// Applies the layer to `[T, in]` with the weight's own kernel (q8 activations for a
     /// quantized weight).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -39,10 +59,12 @@ impl Linear {
                 if dense_rows == n {
                     dense
                 } else {
-                    let rest = self.w.forward(&x.narrow(0, dense_rows, n - dense_rows)?)?;
+                    let rest =
+                        self.forward_quantized(&x.narrow(0, dense_rows, n - dense_rows)?)?;
                     Tensor::cat(&[dense, rest], 0)?
                 }
             }
+            QMatMul::QTensor(_) => self.forward_quantized(x)?,
             w => w.forward(x)?,
         };
         Ok(match &self.b {
@@ -74,7 +96,7 @@ impl Embedding {
             Embedding::Quantized(q) => QMatMul::from_arc(q.clone())?,
             Embedding::Dense(t) => QMatMul::Tensor(t.clone()),
         };
-        Ok(Linear { w, b: None })
+        Linear::new(w, None)
     }
 }
 
@@ -147,7 +169,7 @@ impl WeightSource for GgufWeights {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Linear::new(w, b)
     }
 
     fn dense(&mut self, name: &str) -> Result<Tensor> {
@@ -215,7 +237,7 @@ impl WeightSource for SafetensorsWeights {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Linear::new(w, b)
     }
 
     fn dense(&mut self, name: &str) -> Result<Tensor> {
