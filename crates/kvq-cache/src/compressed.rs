@@ -195,15 +195,6 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
     }
 }
 
-fn check_shape(x: &Tensor, heads: usize, d: usize, what: &str) -> Result<usize> {
-    match x.dims() {
-        &[h, t, dd] if h == heads && dd == d => Ok(t),
-        dims => Err(CacheError::Shape(format!(
-            "{what}: expected [{heads}, t, {d}], got {dims:?}"
-        ))),
-    }
-}
-
 fn grow(v: &mut Vec<u8>, extra: usize, unit: usize) {
     if v.len() + extra > v.capacity() {
         let want = (v.len() + extra).div_ceil(GROW_TOKENS * unit) * GROW_TOKENS * unit;
@@ -214,16 +205,7 @@ fn grow(v: &mut Vec<u8>, extra: usize, unit: usize) {
 impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
-        let t = check_shape(k, kvh, d, "keys")?;
-        if check_shape(v, kvh, d, "values")? != t {
-            return Err(CacheError::Shape("keys and values differ in length".into()));
-        }
-        if self.len + t > self.geom.max_tokens {
-            return Err(CacheError::Shape(format!(
-                "cache holds at most {} positions",
-                self.geom.max_tokens
-            )));
-        }
+        let t = self.geom.check_append(self.len, k, v)?;
         self.trim_recent();
         let kd = k.flatten_all()?.to_vec1::<f32>()?;
         let vd = v.flatten_all()?.to_vec1::<f32>()?;
@@ -259,13 +241,7 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
     }
 
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
-        let t = check_shape(q, self.geom.n_heads, self.geom.head_dim, "queries")?;
-        if t > self.len {
-            return Err(CacheError::Shape(format!(
-                "{t} queries but only {} cached positions",
-                self.len
-            )));
-        }
+        let t = self.geom.check_attend(self.len, q)?;
         let qv = q.flatten_all()?.to_vec1::<f32>()?;
         let out = self.attend_rows(&qv, t, scale);
         // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.

@@ -1,6 +1,6 @@
 //! The cache boundary: `KvCache` (one layer of one sequence) and `CacheFactory` (builds them).
 
-use crate::Result;
+use crate::{CacheError, Result};
 use candle_core::Tensor;
 
 /// The attention geometry of one layer, as the model sees it.
@@ -16,6 +16,46 @@ pub struct CacheGeometry {
     pub sliding_window: Option<usize>,
     /// Most tokens this sequence may ever hold (the model's context length).
     pub max_tokens: usize,
+}
+
+impl CacheGeometry {
+    /// Checks `append`'s keys and values against this geometry and the `len` positions held;
+    /// returns the number of new positions `t`.
+    pub fn check_append(&self, len: usize, k: &Tensor, v: &Tensor) -> Result<usize> {
+        let t = check_heads(k, self.n_kv_heads, self.head_dim, "keys")?;
+        if check_heads(v, self.n_kv_heads, self.head_dim, "values")? != t {
+            return Err(CacheError::Shape("keys and values differ in length".into()));
+        }
+        if len + t > self.max_tokens {
+            return Err(CacheError::Shape(format!(
+                "cache holds at most {} positions",
+                self.max_tokens
+            )));
+        }
+        Ok(t)
+    }
+
+    /// Checks `attend`'s queries against this geometry and the `len` positions held; returns
+    /// the number of query rows `t`.
+    pub fn check_attend(&self, len: usize, q: &Tensor) -> Result<usize> {
+        let t = check_heads(q, self.n_heads, self.head_dim, "queries")?;
+        if t > len {
+            return Err(CacheError::Shape(format!(
+                "{t} queries but only {len} cached positions"
+            )));
+        }
+        Ok(t)
+    }
+}
+
+/// Checks a `[heads, t, d]` tensor and returns t.
+fn check_heads(x: &Tensor, heads: usize, d: usize, what: &str) -> Result<usize> {
+    match x.dims() {
+        &[h, t, dd] if h == heads && dd == d => Ok(t),
+        dims => Err(CacheError::Shape(format!(
+            "{what}: expected [{heads}, t, {d}], got {dims:?}"
+        ))),
+    }
 }
 
 /// The KV cache of one layer of one sequence. Models see only this trait.

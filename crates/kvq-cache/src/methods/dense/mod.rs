@@ -2,9 +2,9 @@
 //! Keys and values are held in fixed-size blocks allocated as the sequence grows (never a
 //! concatenation per token); attention is exact up to the storage type's rounding.
 
+use crate::Result;
 use crate::attention::{axpy, dot, softmax_in_place, window_start};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
-use crate::{CacheError, Result};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -251,29 +251,10 @@ pub fn causal_mask(t: usize, len: usize, window: Option<usize>, dev: &Device) ->
     Ok(Tensor::from_vec(m, (t, len), dev)?)
 }
 
-/// Checks `[heads, t, d]` and returns t.
-pub(crate) fn check_shape(x: &Tensor, heads: usize, d: usize, what: &str) -> Result<usize> {
-    match x.dims() {
-        &[h, t, dd] if h == heads && dd == d => Ok(t),
-        dims => Err(CacheError::Shape(format!(
-            "{what}: expected [{heads}, t, {d}], got {dims:?}"
-        ))),
-    }
-}
-
 impl<E: Element> KvCache for DenseCache<E> {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
-        let t = check_shape(k, kvh, d, "keys")?;
-        if check_shape(v, kvh, d, "values")? != t {
-            return Err(CacheError::Shape("keys and values differ in length".into()));
-        }
-        if self.len + t > self.geom.max_tokens {
-            return Err(CacheError::Shape(format!(
-                "cache holds at most {} positions",
-                self.geom.max_tokens
-            )));
-        }
+        let t = self.geom.check_append(self.len, k, v)?;
         let kd = E::read(k)?;
         let vd = E::read(v)?;
         let elems = self.block_elems();
@@ -298,13 +279,7 @@ impl<E: Element> KvCache for DenseCache<E> {
     }
 
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
-        let t = check_shape(q, self.geom.n_heads, self.geom.head_dim, "queries")?;
-        if t > self.len {
-            return Err(CacheError::Shape(format!(
-                "{t} queries but only {} cached positions",
-                self.len
-            )));
-        }
+        let t = self.geom.check_attend(self.len, q)?;
         if t > DECODE_MAX_ROWS {
             return self.attend_matmul(&q.contiguous()?, t, scale);
         }

@@ -1,6 +1,7 @@
 //! Dense cache tests: attention against the exact reference, block growth, truncation.
 
 use super::*;
+use crate::CacheError;
 use crate::attention::attention_reference;
 
 fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
