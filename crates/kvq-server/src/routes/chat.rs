@@ -4,12 +4,12 @@
 use crate::cache_select::resolve_cache;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generation::{self, collect_all, merge, new_id, record_finished, submit_all, unix_now};
+use crate::generation::{self, collect_all, new_id, submit_all, unix_now};
 use crate::openai::{
     ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ResponseMessage, UsageOut,
 };
-use crate::routes::{tokenize_blocking, with_cache_header};
-use crate::sse::{ChunkWriter, StreamKind, StreamMeta, into_sse, sse_stream};
+use crate::routes::{stream_response, tokenize_blocking, with_cache_header};
+use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::validate::{Message, validate_chat};
 use axum::Json;
@@ -64,17 +64,12 @@ pub async fn chat_completions(
             created,
             model: v.model,
         };
-        let mut writer = ChunkWriter::new(
+        return Ok(stream_response(
             StreamKind::Chat,
             meta,
-            v.params.n,
-            v.params.include_usage,
-            v.params.logprobs.is_some(),
-        );
-        let opening = writer.opening(None);
-        let stream = sse_stream(merge(rxs), writer, opening, record_finished);
-        return Ok(with_cache_header(
-            into_sse(stream).into_response(),
+            &v.params,
+            rxs,
+            None,
             &cache.name,
         ));
     }

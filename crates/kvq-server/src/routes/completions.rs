@@ -4,14 +4,12 @@
 use crate::cache_select::resolve_cache;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generation::{
-    Collected, collect_all, merge, new_id, record_finished, submit_all, unix_now,
-};
+use crate::generation::{Collected, collect_all, new_id, submit_all, unix_now};
 use crate::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, TextCompletion, UsageOut,
 };
-use crate::routes::{tokenize_blocking, with_cache_header};
-use crate::sse::{ChunkWriter, StreamKind, StreamMeta, into_sse, sse_stream};
+use crate::routes::{stream_response, tokenize_blocking, with_cache_header};
+use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::validate::{Prompt, check_token_ids, validate_completion};
 use axum::Json;
@@ -76,17 +74,12 @@ pub async fn completions(
             created,
             model: v.model,
         };
-        let mut writer = ChunkWriter::new(
+        return Ok(stream_response(
             StreamKind::Completion,
             meta,
-            v.params.n,
-            v.params.include_usage,
-            v.params.logprobs.is_some(),
-        );
-        let opening = writer.opening(echo_text.as_deref());
-        let stream = sse_stream(merge(rxs), writer, opening, record_finished);
-        return Ok(with_cache_header(
-            into_sse(stream).into_response(),
+            &v.params,
+            rxs,
+            echo_text.as_deref(),
             &cache.name,
         ));
     }

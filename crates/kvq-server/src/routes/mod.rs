@@ -70,6 +70,34 @@ fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
         .into_response()
 }
 
+/// The SSE response shared by chat and completions: the writer's opening chunk (`echo` text for
+/// completions), every choice's events merged, usage recorded as choices finish, and the
+/// resolved cache method in the `x-kv-cache-method` header.
+pub fn stream_response(
+    kind: crate::sse::StreamKind,
+    meta: crate::sse::StreamMeta,
+    params: &crate::validate::ValidatedParams,
+    rxs: Vec<kvq_engine::GenerationStream>,
+    echo: Option<&str>,
+    cache_method: &str,
+) -> Response {
+    let mut writer = crate::sse::ChunkWriter::new(
+        kind,
+        meta,
+        params.n,
+        params.include_usage,
+        params.logprobs.is_some(),
+    );
+    let opening = writer.opening(echo);
+    let stream = crate::sse::sse_stream(
+        crate::generation::merge(rxs),
+        writer,
+        opening,
+        crate::generation::record_finished,
+    );
+    with_cache_header(crate::sse::into_sse(stream).into_response(), cache_method)
+}
+
 /// Adds `x-kv-cache-method: <name>` to a response.
 pub fn with_cache_header(mut response: Response, method: &str) -> Response {
     if let Ok(v) = HeaderValue::from_str(method) {
