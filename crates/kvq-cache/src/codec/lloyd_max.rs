@@ -94,6 +94,17 @@ fn sq_err(dist: Dist, a: f64, b: f64, c: f64) -> f64 {
     s * h / 3.0
 }
 
+/// The interval of level `i` given the thresholds between levels (unbounded at both ends).
+fn cell(thresholds: &[f64], i: usize) -> (f64, f64) {
+    let a = if i == 0 {
+        f64::NEG_INFINITY
+    } else {
+        thresholds[i - 1]
+    };
+    let b = thresholds.get(i).copied().unwrap_or(f64::INFINITY);
+    (a, b)
+}
+
 /// Runs the Lloyd iteration for `2^bits` levels.
 pub fn fit(dist: Dist, bits: u32) -> Codebook {
     let n = 1usize << bits;
@@ -107,22 +118,13 @@ pub fn fit(dist: Dist, bits: u32) -> Codebook {
             thresholds[i] = 0.5 * (levels[i] + levels[i + 1]);
         }
         let mut moved = 0f64;
-        for i in 0..n {
-            let a = if i == 0 {
-                f64::NEG_INFINITY
-            } else {
-                thresholds[i - 1]
-            };
-            let b = if i == n - 1 {
-                f64::INFINITY
-            } else {
-                thresholds[i]
-            };
+        for (i, level) in levels.iter_mut().enumerate() {
+            let (a, b) = cell(&thresholds, i);
             let (m, mu) = mass_and_moment(dist, a, b);
             if m > 1e-300 {
                 let c = mu / m;
-                moved = moved.max((c - levels[i]).abs());
-                levels[i] = c;
+                moved = moved.max((c - *level).abs());
+                *level = c;
             }
         }
         if moved < 1e-10 {
@@ -134,16 +136,7 @@ pub fn fit(dist: Dist, bits: u32) -> Codebook {
     }
     let mse = (0..n)
         .map(|i| {
-            let a = if i == 0 {
-                f64::NEG_INFINITY
-            } else {
-                thresholds[i - 1]
-            };
-            let b = if i == n - 1 {
-                f64::INFINITY
-            } else {
-                thresholds[i]
-            };
+            let (a, b) = cell(&thresholds, i);
             sq_err(dist, a, b, levels[i])
         })
         .sum();
