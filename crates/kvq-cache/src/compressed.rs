@@ -3,44 +3,24 @@
 //! are also kept in fp16. Attention for a query at position `p` uses fp16 for the sinks and for
 //! keys in `(p - window, p]`, and the codes for everything else, which is exactly what the query
 //! would see had the text been generated one token at a time. The methods plug in a
-//! `KeyCodec` (scores straight from codes) and a `ValueCodec` (accumulates from codes).
+//! `KeyCodec` (scores straight from codes) and a `ValueCodec` (accumulates from codes); encoding
+//! and the compressed part of attention run as kvq-kernels custom ops on the code tensors.
 
-use crate::attention::{axpy, dot, softmax_in_place, window_start};
+use crate::attention::dot;
 use crate::traits::{CacheGeometry, KvCache};
 use crate::{CacheError, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kvq_kernels::{
+    AttendParams, Partial, compressed_attend, encode_keys, encode_values, merge_partial,
+};
+use std::sync::Arc;
+
+pub use kvq_kernels::{KernelKind, KeyCodec, ValueCodec};
 
 /// Positions by which code rows grow (so `resident_bytes` stays close to the promised size).
 const GROW_TOKENS: usize = 256;
-
-/// Encodes keys and scores queries against key codes, never reconstructing fp16 keys.
-pub trait KeyCodec: Send + Sync {
-    /// Bytes of one token's code for one head.
-    fn code_bytes(&self) -> usize;
-    /// Encodes key `k` (head_dim values) of kv head `head` into `out` (`code_bytes` bytes).
-    fn encode(&self, head: usize, k: &[f32], out: &mut [u8]);
-    /// Length of the per-query state `prepare` fills.
-    fn state_len(&self) -> usize;
-    /// Prepares query `q` of kv head `head` once (rotation, sketch, lookup table).
-    fn prepare(&self, head: usize, q: &[f32], state: &mut [f32]);
-    /// Estimates `q . k` for each of the `out.len()` consecutive token codes in `codes`.
-    fn scores(&self, head: usize, state: &[f32], codes: &[u8], out: &mut [f32]);
-}
-
-/// Encodes values and accumulates probability-weighted values from codes.
-pub trait ValueCodec: Send + Sync {
-    /// Bytes of one token's code for one head.
-    fn code_bytes(&self) -> usize;
-    /// Encodes value `v` of kv head `head` into `out`.
-    fn encode(&self, head: usize, v: &[f32], out: &mut [u8]);
-    /// `acc += sum_i probs[i] * value_i` for the `probs.len()` consecutive codes, in the codec's
-    /// own domain (for example rotated); `acc` has head_dim entries.
-    fn accumulate(&self, head: usize, probs: &[f32], codes: &[u8], acc: &mut [f32]);
-    /// Maps `acc` from the codec's domain back to values, in place.
-    fn finish(&self, head: usize, acc: &mut [f32]);
-}
 
 /// fp16 rows of one kind (keys or values) for a contiguous range of positions, per head.
 #[derive(Default)]
@@ -68,17 +48,66 @@ impl Fp16Rows {
     }
 }
 
+/// A growable `[heads, capacity, width]` u8 tensor of code rows, grown in `GROW_TOKENS` steps.
+struct CodeBuf {
+    buf: Option<Tensor>,
+    cap: usize,
+    width: usize,
+    heads: usize,
+}
+
+impl CodeBuf {
+    fn new(heads: usize, width: usize) -> Self {
+        Self {
+            buf: None,
+            cap: 0,
+            width,
+            heads,
+        }
+    }
+
+    /// Writes `codes` (`[heads, t, width]`) at rows `len..len + t`.
+    fn write(&mut self, codes: &Tensor, len: usize) -> Result<()> {
+        let t = codes.dim(1)?;
+        if len + t > self.cap || self.buf.is_none() {
+            let cap = (len + t).div_ceil(GROW_TOKENS) * GROW_TOKENS;
+            let fresh = Tensor::zeros((self.heads, cap, self.width), DType::U8, codes.device())?;
+            if let (Some(old), true) = (&self.buf, len > 0) {
+                fresh.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            }
+            self.buf = Some(fresh);
+            self.cap = cap;
+        }
+        if let Some(buf) = &self.buf {
+            buf.slice_set(&codes.contiguous()?, 1, len)?;
+        }
+        Ok(())
+    }
+
+    /// The first `len` rows, as a view.
+    fn view(&self, len: usize) -> Result<Option<Tensor>> {
+        Ok(match &self.buf {
+            Some(b) => Some(b.narrow(1, 0, len)?),
+            None => None,
+        })
+    }
+
+    /// Shrinks to `len` rows (the capacity keeps its size; rows past `len` are overwritten later).
+    fn bytes(&self) -> usize {
+        self.heads * self.cap * self.width
+    }
+}
+
 /// A compressed cache of one layer: codes for every token, fp16 for sinks and the recent window.
-pub struct CompressedCache<K, V> {
+pub struct CompressedCache {
     geom: CacheGeometry,
     method: String,
-    keys: K,
-    values: V,
+    keys: Arc<dyn KeyCodec>,
+    values: Arc<dyn ValueCodec>,
     window: usize,
     sinks: usize,
-    /// Per kv head, `len * code_bytes` bytes.
-    key_codes: Vec<Vec<u8>>,
-    val_codes: Vec<Vec<u8>>,
+    key_codes: CodeBuf,
+    val_codes: CodeBuf,
     recent_k: Fp16Rows,
     recent_v: Fp16Rows,
     sink_k: Fp16Rows,
@@ -86,13 +115,13 @@ pub struct CompressedCache<K, V> {
     len: usize,
 }
 
-impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
+impl CompressedCache {
     /// An empty cache keeping `window` recent and `sinks` first tokens in fp16.
     pub fn new(
         geom: CacheGeometry,
         method: &str,
-        keys: K,
-        values: V,
+        keys: Arc<dyn KeyCodec>,
+        values: Arc<dyn ValueCodec>,
         window: usize,
         sinks: usize,
     ) -> Self {
@@ -100,12 +129,12 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
         Self {
             geom,
             method: method.to_string(),
+            key_codes: CodeBuf::new(h, keys.code_bytes()),
+            val_codes: CodeBuf::new(h, values.code_bytes()),
             keys,
             values,
             window: window.max(1),
             sinks,
-            key_codes: vec![Vec::new(); h],
-            val_codes: vec![Vec::new(); h],
             recent_k: Fp16Rows::new(h),
             recent_v: Fp16Rows::new(h),
             sink_k: Fp16Rows::new(h),
@@ -134,97 +163,84 @@ impl<K: KeyCodec, V: ValueCodec> CompressedCache<K, V> {
         }
     }
 
-    fn attend_rows(&self, q: &[f32], t: usize, scale: f32) -> Vec<f32> {
+    fn params(&self, t: usize, scale: f32) -> AttendParams {
+        AttendParams {
+            scale,
+            first_pos: self.len - t,
+            window: self.window,
+            sinks: self.sinks,
+            sliding_window: self.geom.sliding_window,
+        }
+    }
+
+    /// Merges the op's compressed partial states with exact attention over the fp16 rows.
+    fn merge(&self, q: &[f32], parts: Option<&[f32]>, t: usize, p: AttendParams) -> Vec<f32> {
         let CacheGeometry {
             n_heads,
             n_kv_heads,
             head_dim: d,
-            sliding_window,
             ..
         } = self.geom;
         let group = n_heads / n_kv_heads;
-        let (kb, vb) = (self.keys.code_bytes(), self.values.code_bytes());
         let mut out = vec![0f32; n_heads * t * d];
-        let mut scores = vec![0f32; self.len];
-        let mut state = vec![0f32; self.keys.state_len()];
+        let empty = {
+            let mut e = vec![0f32; d + 2];
+            e[d] = f32::NEG_INFINITY;
+            e
+        };
         let mut row = vec![0f32; d];
-        let mut acc = vec![0f32; d];
+        let mut scores = Vec::new();
+        let mut at = Vec::new();
         for h in 0..n_heads {
             let kh = h / group;
             for r in 0..t {
-                let pos = self.len - t + r;
-                let start = window_start(pos, sliding_window);
-                // Compressed range: [c0, c1); fp16 elsewhere (sinks below c0, window from c1).
-                let c1 = (pos + 1).saturating_sub(self.window).max(start);
-                let c0 = self.sinks.max(start).min(c1);
+                let pos = p.first_pos + r;
+                let (start, c0, c1) = p.ranges(pos);
                 let qrow = &q[(h * t + r) * d..(h * t + r + 1) * d];
-                for (j, s) in scores.iter_mut().enumerate().take(c0).skip(start) {
-                    self.sink_k.row(kh, j, d, &mut row);
-                    *s = dot(qrow, &row) * scale;
+                scores.clear();
+                at.clear();
+                for j in (start..c0).chain(c1..=pos) {
+                    let rows = if j < c0 { &self.sink_k } else { &self.recent_k };
+                    rows.row(kh, j, d, &mut row);
+                    scores.push(dot(qrow, &row) * p.scale);
+                    at.push(j);
                 }
-                if c1 > c0 {
-                    self.keys.prepare(kh, qrow, &mut state);
-                    let codes = &self.key_codes[kh][c0 * kb..c1 * kb];
-                    self.keys.scores(kh, &state, codes, &mut scores[c0..c1]);
-                    scores[c0..c1].iter_mut().for_each(|s| *s *= scale);
-                }
-                for (j, s) in scores.iter_mut().enumerate().take(pos + 1).skip(c1) {
-                    self.recent_k.row(kh, j, d, &mut row);
-                    *s = dot(qrow, &row) * scale;
-                }
-                softmax_in_place(&mut scores[start..=pos]);
+                let part = match parts {
+                    Some(all) if c1 > c0 => &all[(h * t + r) * (d + 2)..(h * t + r + 1) * (d + 2)],
+                    _ => &empty[..],
+                };
+                let value = |i: usize, buf: &mut [f32]| {
+                    let j = at[i];
+                    let rows = if j < c0 { &self.sink_v } else { &self.recent_v };
+                    rows.row(kh, j, d, buf);
+                };
                 let orow = &mut out[(h * t + r) * d..(h * t + r + 1) * d];
-                for (j, &p) in scores.iter().enumerate().take(c0).skip(start) {
-                    self.sink_v.row(kh, j, d, &mut row);
-                    axpy(orow, p, &row);
-                }
-                for (j, &p) in scores.iter().enumerate().take(pos + 1).skip(c1) {
-                    self.recent_v.row(kh, j, d, &mut row);
-                    axpy(orow, p, &row);
-                }
-                if c1 > c0 {
-                    acc.fill(0.0);
-                    let codes = &self.val_codes[kh][c0 * vb..c1 * vb];
-                    self.values.accumulate(kh, &scores[c0..c1], codes, &mut acc);
-                    self.values.finish(kh, &mut acc);
-                    orow.iter_mut().zip(&acc).for_each(|(o, a)| *o += a);
-                }
+                merge_partial(Partial::from_row(part), &scores, value, orow);
             }
         }
         out
     }
 }
 
-fn grow(v: &mut Vec<u8>, extra: usize, unit: usize) {
-    if v.len() + extra > v.capacity() {
-        let want = (v.len() + extra).div_ceil(GROW_TOKENS * unit) * GROW_TOKENS * unit;
-        v.reserve_exact(want - v.len());
-    }
-}
-
-impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
+impl KvCache for CompressedCache {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
         let t = self.geom.check_append(self.len, k, v)?;
         self.trim_recent();
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        self.key_codes
+            .write(&encode_keys(&self.keys, &k)?, self.len)?;
+        self.val_codes
+            .write(&encode_values(&self.values, &v)?, self.len)?;
         let kd = k.flatten_all()?.to_vec1::<f32>()?;
         let vd = v.flatten_all()?.to_vec1::<f32>()?;
-        let (kb, vb) = (self.keys.code_bytes(), self.values.code_bytes());
         for h in 0..kvh {
-            grow(&mut self.key_codes[h], t * kb, kb);
-            grow(&mut self.val_codes[h], t * vb, vb);
             for i in 0..t {
                 let pos = self.len + i;
                 let (kr, vr) = (
                     &kd[(h * t + i) * d..(h * t + i + 1) * d],
                     &vd[(h * t + i) * d..(h * t + i + 1) * d],
                 );
-                let ko = self.key_codes[h].len();
-                self.key_codes[h].resize(ko + kb, 0);
-                self.keys.encode(h, kr, &mut self.key_codes[h][ko..]);
-                let vo = self.val_codes[h].len();
-                self.val_codes[h].resize(vo + vb, 0);
-                self.values.encode(h, vr, &mut self.val_codes[h][vo..]);
                 let push = |rows: &mut Fp16Rows, x: &[f32]| {
                     rows.rows[h].extend(x.iter().map(|&f| f16::from_f32(f)))
                 };
@@ -242,8 +258,23 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
 
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
         let t = self.geom.check_attend(self.len, q)?;
+        let p = self.params(t, scale);
+        let q = q.contiguous()?;
+        let (_, c0, c1) = p.ranges(self.len.saturating_sub(1));
+        let parts = match (
+            c1 > c0,
+            self.key_codes.view(self.len)?,
+            self.val_codes.view(self.len)?,
+        ) {
+            (true, Some(kc), Some(vc)) => Some(
+                compressed_attend(&self.keys, &self.values, p, &q, &kc, &vc)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            ),
+            _ => None,
+        };
         let qv = q.flatten_all()?.to_vec1::<f32>()?;
-        let out = self.attend_rows(&qv, t, scale);
+        let out = self.merge(&qv, parts.as_deref(), t, p);
         // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.
         self.trim_recent();
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
@@ -254,17 +285,15 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
     }
 
     fn resident_bytes(&self) -> usize {
-        let codes: usize = self
-            .key_codes
-            .iter()
-            .chain(&self.val_codes)
-            .map(|c| c.capacity())
-            .sum();
-        codes
-            + self.recent_k.bytes()
-            + self.recent_v.bytes()
-            + self.sink_k.bytes()
-            + self.sink_v.bytes()
+        let (k, v) = self.resident_split();
+        k + v
+    }
+
+    fn resident_split(&self) -> (usize, usize) {
+        (
+            self.key_codes.bytes() + self.recent_k.bytes() + self.sink_k.bytes(),
+            self.val_codes.bytes() + self.recent_v.bytes() + self.sink_v.bytes(),
+        )
     }
 
     fn truncate(&mut self, n: usize) -> Result<()> {
@@ -279,10 +308,7 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
             )));
         }
         let d = self.geom.head_dim;
-        let (kb, vb) = (self.keys.code_bytes(), self.values.code_bytes());
         for h in 0..self.geom.n_kv_heads {
-            self.key_codes[h].truncate(n * kb);
-            self.val_codes[h].truncate(n * vb);
             for rows in [&mut self.recent_k, &mut self.recent_v] {
                 let keep = n.saturating_sub(rows.first) * d;
                 rows.rows[h].truncate(keep);
@@ -291,6 +317,7 @@ impl<K: KeyCodec, V: ValueCodec> KvCache for CompressedCache<K, V> {
                 rows.rows[h].truncate(n.min(self.sinks) * d);
             }
         }
+        // Code rows past n are simply overwritten by later appends.
         self.len = n;
         Ok(())
     }

@@ -77,6 +77,11 @@ pub trait KvCache: Send {
     }
     /// Bytes this cache really holds (its allocated buffers), not an estimate from `len`.
     fn resident_bytes(&self) -> usize;
+    /// `resident_bytes` split into (key bytes, value bytes).
+    fn resident_split(&self) -> (usize, usize) {
+        let b = self.resident_bytes();
+        (b / 2, b - b / 2)
+    }
     /// Drops every position at or after `n`.
     fn truncate(&mut self, n: usize) -> Result<()>;
     /// The method name, as the registry knows it.
@@ -129,6 +134,14 @@ impl LayerCaches {
     /// Sum of the layers' resident bytes.
     pub fn resident_bytes(&self) -> usize {
         self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
+
+    /// Sum of the layers' resident bytes, split into (key bytes, value bytes).
+    pub fn resident_split(&self) -> (usize, usize) {
+        self.layers
+            .iter()
+            .map(|l| l.resident_split())
+            .fold((0, 0), |(a, b), (k, v)| (a + k, b + v))
     }
 
     /// Truncates every layer to `n` positions.

@@ -6,10 +6,11 @@
 use crate::codec::bitpack;
 use crate::codec::hadamard::Rotation;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
-use crate::compressed::{CompressedCache, KeyCodec, ValueCodec};
+use crate::compressed::{CompressedCache, KernelKind, KeyCodec, ValueCodec};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use half::f16;
+use std::sync::Arc;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-mse";
@@ -58,13 +59,34 @@ impl MseCodec {
         bitpack::pack(&idx, self.bits, &mut out[2..]);
     }
 
-    /// The codebook value of coordinate `i` of a code row, times the row's norm and sigma.
+    /// Reconstructs a row: codebook values times norm and sigma, rotated back.
+    fn decode_row(&self, head: usize, code: &[u8], out: &mut [f32]) {
+        let w = Self::norm_of(code) * self.sigma;
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = w * self.book.levels[bitpack::get(&code[2..], self.bits, i) as usize];
+        }
+        self.rotations[head].invert(out);
+    }
+
+    /// The fp16 norm stored at the front of a code row.
     fn norm_of(code: &[u8]) -> f32 {
         f16::from_le_bytes([code[0], code[1]]).to_f32()
     }
 }
 
 impl KeyCodec for MseCodec {
+    fn head_dim(&self) -> usize {
+        self.d
+    }
+
+    fn kernel(&self) -> KernelKind {
+        KernelKind::ScalarCodebook
+    }
+
+    fn decode(&self, head: usize, code: &[u8], out: &mut [f32]) {
+        self.decode_row(head, code, out);
+    }
+
     fn code_bytes(&self) -> usize {
         2 + bitpack::packed_len(self.d, self.bits)
     }
@@ -98,6 +120,18 @@ impl KeyCodec for MseCodec {
 }
 
 impl ValueCodec for MseCodec {
+    fn head_dim(&self) -> usize {
+        self.d
+    }
+
+    fn kernel(&self) -> KernelKind {
+        KernelKind::ScalarCodebook
+    }
+
+    fn decode(&self, head: usize, code: &[u8], out: &mut [f32]) {
+        self.decode_row(head, code, out);
+    }
+
     fn code_bytes(&self) -> usize {
         2 + bitpack::packed_len(self.d, self.bits)
     }
@@ -118,8 +152,9 @@ impl ValueCodec for MseCodec {
         }
     }
 
-    fn finish(&self, head: usize, acc: &mut [f32]) {
-        self.rotations[head].invert(acc);
+    fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(acc);
+        self.rotations[head].invert(out);
     }
 }
 
@@ -162,8 +197,8 @@ impl CacheFactory for TurboQuantMseFactory {
         Ok(Box::new(CompressedCache::new(
             *geom,
             METHOD,
-            keys,
-            values,
+            Arc::new(keys),
+            Arc::new(values),
             self.window,
             self.sinks,
         )))

@@ -37,9 +37,10 @@ fn distortion_is_within_the_paper_bound() {
             x.iter_mut().for_each(|v| *v /= norm);
             let mut code = vec![0u8; KeyCodec::code_bytes(&c)];
             KeyCodec::encode(&c, 0, &x, &mut code);
+            let mut acc = vec![0f32; d];
+            c.accumulate(0, &[1.0], &code, &mut acc);
             let mut rec = vec![0f32; d];
-            c.accumulate(0, &[1.0], &code, &mut rec);
-            c.finish(0, &mut rec);
+            c.finish(0, &acc, &mut rec);
             total += x
                 .iter()
                 .zip(&rec)
