@@ -1,8 +1,6 @@
 //! The method registry: maps the names a request may use (`x-kv-cache-method`, `kv_cache.method`)
 //! to cache factories, and validates the requested bits.
 
-use crate::methods::dense::DenseFactory;
-use crate::methods::turboquant_mse::TurboQuantMseFactory;
 use crate::traits::CacheFactory;
 use crate::{CacheError, Result};
 use std::collections::BTreeMap;
@@ -37,18 +35,66 @@ impl std::fmt::Debug for ResolvedCache {
     }
 }
 
-type Builder = Box<dyn Fn(u8) -> Result<Arc<dyn CacheFactory>> + Send + Sync>;
+/// What a method's builder receives.
+pub struct BuildArgs<'a> {
+    /// Bits per element the request (or preset) asked for; `None` means the method's default.
+    pub bits: Option<u8>,
+    /// Method parameters from a preset's `[params]` table (empty for a bare method name).
+    pub params: &'a toml::Table,
+    /// Where data-dependent methods get their calibration, if the server has one.
+    pub calibration: Option<&'a Arc<dyn CalibrationSource>>,
+}
+
+/// A method the registry can build: its name, the bits it accepts and its builder.
+pub struct MethodEntry {
+    pub name: &'static str,
+    pub bits: Vec<u8>,
+    pub default_bits: u8,
+    pub build: fn(&BuildArgs<'_>) -> Result<Arc<dyn CacheFactory>>,
+}
+
+/// Gives data-dependent methods (VecInfer) the calibration of the loaded model. Returns the
+/// method's own calibration type behind `Any`, built or loaded on first use.
+pub trait CalibrationSource: Send + Sync {
+    fn calibration(
+        &self,
+        method: &str,
+        params: &toml::Table,
+    ) -> Result<Arc<dyn std::any::Any + Send + Sync>>;
+}
+
+/// Reads an optional integer parameter of a preset's `[params]` table.
+pub fn param<T: TryFrom<i64>>(params: &toml::Table, key: &str) -> Result<Option<T>> {
+    match params.get(key) {
+        None => Ok(None),
+        Some(toml::Value::Integer(i)) => {
+            T::try_from(*i).map(Some).map_err(|_| CacheError::Preset {
+                path: key.to_string(),
+                message: format!("parameter '{key}' out of range: {i}"),
+            })
+        }
+        Some(v) => Err(CacheError::Preset {
+            path: key.to_string(),
+            message: format!("parameter '{key}' must be an integer, got {v}"),
+        }),
+    }
+}
 
 struct Entry {
+    base: &'static str,
     bits: Vec<u8>,
     default_bits: u8,
-    build: Builder,
+    /// A preset's own bits, passed to the builder when the request gives none.
+    preset_bits: Option<u8>,
+    params: toml::Table,
+    build: fn(&BuildArgs<'_>) -> Result<Arc<dyn CacheFactory>>,
 }
 
 /// Every method the server can build, by name.
 pub struct CacheRegistry {
     entries: BTreeMap<String, Entry>,
     default: String,
+    calibration: Option<Arc<dyn CalibrationSource>>,
 }
 
 impl Default for CacheRegistry {
@@ -57,41 +103,113 @@ impl Default for CacheRegistry {
     }
 }
 
+/// A preset file: `configs/cache/<name>.toml`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PresetFile {
+    method: String,
+    bits: Option<u8>,
+    #[serde(default)]
+    params: toml::Table,
+}
+
 impl CacheRegistry {
-    /// The methods built into kvq.
+    /// The methods built into kvq (see `methods::all`), no presets.
     pub fn builtin() -> Self {
         let mut r = Self {
             entries: BTreeMap::new(),
             default: "fp16".to_string(),
+            calibration: None,
         };
-        r.register("fp16", vec![16], 16, |_| {
-            Ok(Arc::new(DenseFactory::<half::f16>::new()))
-        });
-        r.register("f32", vec![32], 32, |_| {
-            Ok(Arc::new(DenseFactory::<f32>::new()))
-        });
-        r.register("turboquant-mse", vec![2, 3, 4], 4, |b| {
-            Ok(Arc::new(TurboQuantMseFactory::new(u32::from(b))))
-        });
+        for m in crate::methods::all() {
+            r.add(m);
+        }
         r
     }
 
     /// Adds (or replaces) a method.
-    pub fn register(
-        &mut self,
-        name: &str,
-        bits: Vec<u8>,
-        default_bits: u8,
-        build: impl Fn(u8) -> Result<Arc<dyn CacheFactory>> + Send + Sync + 'static,
-    ) {
+    pub fn add(&mut self, m: MethodEntry) {
         self.entries.insert(
-            name.to_string(),
+            m.name.to_string(),
             Entry {
-                bits,
-                default_bits,
-                build: Box::new(build),
+                base: m.name,
+                bits: m.bits,
+                default_bits: m.default_bits,
+                preset_bits: None,
+                params: toml::Table::new(),
+                build: m.build,
             },
         );
+    }
+
+    /// Adds a preset named `name` over an existing method, with its own default bits and params.
+    /// Checks that it builds.
+    pub fn add_preset(&mut self, name: &str, text: &str, path: &str) -> Result<()> {
+        let preset_err = |message: String| CacheError::Preset {
+            path: path.to_string(),
+            message,
+        };
+        let file: PresetFile = toml::from_str(text).map_err(|e| preset_err(e.to_string()))?;
+        let base = self
+            .entries
+            .get(&file.method.to_ascii_lowercase())
+            .ok_or_else(|| {
+                preset_err(format!(
+                    "unknown method '{}'; valid methods: {}",
+                    file.method,
+                    self.names().join(", ")
+                ))
+            })?;
+        if let Some(b) = file.bits.filter(|b| !base.bits.contains(b)) {
+            return Err(preset_err(format!(
+                "method '{}' does not take {b} bits",
+                file.method
+            )));
+        }
+        let entry = Entry {
+            base: base.base,
+            bits: base.bits.clone(),
+            default_bits: file.bits.unwrap_or(base.default_bits),
+            preset_bits: file.bits,
+            params: file.params,
+            build: base.build,
+        };
+        self.entries.insert(name.to_ascii_lowercase(), entry);
+        Ok(())
+    }
+
+    /// Loads every `*.toml` preset of `dir` (file stem = preset name), sorted by name.
+    pub fn load_presets(&mut self, dir: &std::path::Path) -> Result<Vec<String>> {
+        let err = |e: std::io::Error| CacheError::Preset {
+            path: dir.display().to_string(),
+            message: e.to_string(),
+        };
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(err)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+            .collect();
+        files.sort();
+        let mut names = Vec::new();
+        for path in files {
+            let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
+                continue;
+            };
+            let text = std::fs::read_to_string(&path).map_err(err)?;
+            self.add_preset(stem, &text, &path.display().to_string())?;
+            names.push(stem.to_string());
+        }
+        Ok(names)
+    }
+
+    /// Gives data-dependent methods their calibration.
+    pub fn set_calibration(&mut self, source: Arc<dyn CalibrationSource>) {
+        self.calibration = Some(source);
+    }
+
+    /// The base method a name (method or preset) builds.
+    pub fn base_method(&self, name: &str) -> Option<&'static str> {
+        self.entries.get(&name.to_ascii_lowercase()).map(|e| e.base)
     }
 
     /// The valid names, sorted.
@@ -141,8 +259,13 @@ impl CacheRegistry {
                 valid: entry.bits.clone(),
             });
         }
+        let args = BuildArgs {
+            bits: spec.bits.or(entry.preset_bits),
+            params: &entry.params,
+            calibration: self.calibration.as_ref(),
+        };
         Ok(ResolvedCache {
-            factory: (entry.build)(bits)?,
+            factory: (entry.build)(&args)?,
             name,
             bits,
         })

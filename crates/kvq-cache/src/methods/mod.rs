@@ -1,4 +1,16 @@
-//! The cache methods, one folder each. Adding a method means adding a folder here and registering its factory in `registry.rs`.
+//! The cache methods, one folder each. Adding a method means adding a folder here (with an
+//! `entry()` describing its name, bits and builder) and listing it in `all`.
 
 pub mod dense;
 pub mod turboquant_mse;
+
+use crate::registry::MethodEntry;
+
+/// Every built-in method, in the order `kvq` lists them.
+pub fn all() -> Vec<MethodEntry> {
+    vec![
+        dense::fp16_entry(),
+        dense::f32_entry(),
+        turboquant_mse::entry(),
+    ]
+}

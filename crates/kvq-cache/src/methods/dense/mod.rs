@@ -74,6 +74,26 @@ impl<E: Element> CacheFactory for DenseFactory<E> {
     }
 }
 
+/// The registry entry of the fp16 baseline.
+pub fn fp16_entry() -> crate::registry::MethodEntry {
+    crate::registry::MethodEntry {
+        name: "fp16",
+        bits: vec![16],
+        default_bits: 16,
+        build: |_| Ok(std::sync::Arc::new(DenseFactory::<f16>::new())),
+    }
+}
+
+/// The registry entry of the exact f32 cache (the golden reference).
+pub fn f32_entry() -> crate::registry::MethodEntry {
+    crate::registry::MethodEntry {
+        name: "f32",
+        bits: vec![32],
+        default_bits: 32,
+        build: |_| Ok(std::sync::Arc::new(DenseFactory::<f32>::new())),
+    }
+}
+
 /// The fp16 baseline.
 pub type Fp16Cache = DenseCache<f16>;
 /// The exact f32 cache.

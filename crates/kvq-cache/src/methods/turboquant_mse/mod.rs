@@ -7,6 +7,7 @@ use crate::codec::bitpack;
 use crate::codec::hadamard::Rotation;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
 use crate::compressed::{CompressedCache, KernelKind, KeyCodec, ValueCodec};
+use crate::registry::{MethodEntry, param};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use half::f16;
@@ -155,6 +156,42 @@ impl ValueCodec for MseCodec {
     fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]) {
         out.copy_from_slice(acc);
         self.rotations[head].invert(out);
+    }
+}
+
+/// The registry entry: bits 2, 3 or 4 (default 4); a preset may set `key_bits`, `value_bits`,
+/// `window`, `sinks` and `seed` in its `[params]`; request bits override both key and value bits.
+pub fn entry() -> MethodEntry {
+    MethodEntry {
+        name: METHOD,
+        bits: vec![2, 3, 4],
+        default_bits: 4,
+        build: |a| {
+            let base = TurboQuantMseFactory::new(a.bits.map_or(4, u32::from));
+            let pick = |key: &str, dflt: u32| -> Result<u32> {
+                Ok(match a.bits {
+                    Some(b) => u32::from(b),
+                    None => param(a.params, key)?.unwrap_or(dflt),
+                })
+            };
+            let f = TurboQuantMseFactory {
+                key_bits: pick("key_bits", base.key_bits)?,
+                value_bits: pick("value_bits", base.value_bits)?,
+                window: param(a.params, "window")?.unwrap_or(base.window),
+                sinks: param(a.params, "sinks")?.unwrap_or(base.sinks),
+                seed: param(a.params, "seed")?.unwrap_or(base.seed),
+            };
+            for b in [f.key_bits, f.value_bits] {
+                if !(1..=4).contains(&b) {
+                    return Err(CacheError::InvalidBits {
+                        method: METHOD.into(),
+                        bits: b as u8,
+                        valid: vec![2, 3, 4],
+                    });
+                }
+            }
+            Ok(Arc::new(f))
+        },
     }
 }
 
