@@ -69,6 +69,18 @@ impl MseCodec {
         self.rotations[head].invert(out);
     }
 
+    /// Estimates `q . k` for one key code, from the state `KeyCodec::prepare` filled (other
+    /// methods built on this stage, such as TurboQuant-Prod, call it per code).
+    pub fn score_one(&self, state: &[f32], code: &[u8]) -> f32 {
+        let levels = &self.book.levels;
+        let packed = &code[2..];
+        let mut acc = 0f32;
+        for (i, q) in state.iter().enumerate().take(self.d) {
+            acc += q * levels[bitpack::get(packed, self.bits, i) as usize];
+        }
+        acc * Self::norm_of(code)
+    }
+
     /// The fp16 norm stored at the front of a code row.
     fn norm_of(code: &[u8]) -> f32 {
         f16::from_le_bytes([code[0], code[1]]).to_f32()
@@ -108,14 +120,8 @@ impl KeyCodec for MseCodec {
 
     fn scores(&self, _head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
         let cb = <Self as KeyCodec>::code_bytes(self);
-        let levels = &self.book.levels;
         for (s, code) in out.iter_mut().zip(codes.chunks_exact(cb)) {
-            let packed = &code[2..];
-            let mut acc = 0f32;
-            for (i, q) in state.iter().enumerate() {
-                acc += q * levels[bitpack::get(packed, self.bits, i) as usize];
-            }
-            *s = acc * Self::norm_of(code);
+            *s = self.score_one(state, code);
         }
     }
 }
