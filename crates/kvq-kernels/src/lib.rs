@@ -15,8 +15,10 @@
 mod attend;
 mod codec;
 mod encode;
+mod nearest;
 mod storage;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
 pub use codec::{KernelKind, KeyCodec, ValueCodec};
 pub use encode::{encode_keys, encode_reference, encode_values};
+pub use nearest::{NearestCodebook, nearest_centroid, nearest_centroid_reference};
