@@ -3,4 +3,5 @@
 
 pub mod bitpack;
 pub mod hadamard;
+pub mod kmeans;
 pub mod lloyd_max;
