@@ -13,40 +13,38 @@ pub const fn packed_len(n: usize, bits: u32) -> usize {
 /// request-dependent.
 pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) {
     assert!((1..=8).contains(&bits), "bits must be in 1..=8");
-    assert!(
-        out.len() >= packed_len(codes.len(), bits),
-        "output too short"
-    );
-    let mask = ((1u16 << bits) - 1) as u8;
-    out[..packed_len(codes.len(), bits)].fill(0);
-    let mut bit = 0usize;
-    for &c in codes {
-        let c = (c & mask) as u16;
-        let (byte, shift) = (bit / 8, bit % 8);
-        let v = c << shift;
-        out[byte] |= v as u8;
-        if shift + bits as usize > 8 {
-            out[byte + 1] |= (v >> 8) as u8;
+    let len = packed_len(codes.len(), bits);
+    assert!(out.len() >= len, "output too short");
+    let mask = (1u64 << bits) - 1;
+    // Eight codes fill exactly `bits` bytes.
+    for (group, bytes) in codes.chunks(8).zip(out[..len].chunks_mut(bits as usize)) {
+        let mut v = 0u64;
+        for (k, &c) in group.iter().enumerate() {
+            v |= (u64::from(c) & mask) << (k as u32 * bits);
         }
-        bit += bits as usize;
+        bytes.copy_from_slice(&v.to_le_bytes()[..bytes.len()]);
     }
 }
 
 /// Unpacks `out.len()` codes of `bits` bits from `packed`.
+///
+/// # Panics
+/// When `bits` is not in 1..=8 or `packed` is too short (programming errors).
 pub fn unpack(packed: &[u8], bits: u32, out: &mut [u8]) {
     assert!((1..=8).contains(&bits), "bits must be in 1..=8");
-    let mask = (1u16 << bits) - 1;
-    let mut bit = 0usize;
-    for o in out.iter_mut() {
-        let (byte, shift) = (bit / 8, bit % 8);
-        let lo = packed[byte] as u16;
-        let hi = if shift + bits as usize > 8 {
-            packed[byte + 1] as u16
-        } else {
-            0
-        };
-        *o = (((lo | (hi << 8)) >> shift) & mask) as u8;
-        bit += bits as usize;
+    assert!(
+        packed.len() >= packed_len(out.len(), bits),
+        "packed row too short"
+    );
+    let mask = (1u64 << bits) - 1;
+    for (group, bytes) in out.chunks_mut(8).zip(packed.chunks(bits as usize)) {
+        let v = bytes
+            .iter()
+            .enumerate()
+            .fold(0u64, |v, (i, &b)| v | u64::from(b) << (8 * i));
+        for (k, o) in group.iter_mut().enumerate() {
+            *o = ((v >> (k as u32 * bits)) & mask) as u8;
+        }
     }
 }
 

@@ -147,6 +147,26 @@ pub fn fit(dist: Dist, bits: u32) -> Codebook {
     }
 }
 
+/// The standard deviation of the distribution about each level within that level's cell
+/// (`sqrt(E[(x - level)^2 | x in cell])`): the spread of the residual a stage leaves, per level.
+pub fn cell_std(dist: Dist, bits: u32) -> Vec<f32> {
+    let book = codebook(dist, bits);
+    let th: Vec<f64> = book.thresholds.iter().map(|&t| f64::from(t)).collect();
+    book.levels
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let (a, b) = cell(&th, i);
+            let (mass, _) = mass_and_moment(dist, a, b);
+            if mass > 0.0 {
+                (sq_err(dist, a, b, f64::from(l)) / mass).sqrt() as f32
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
 /// The cached unit-scale codebook for `dist` with `bits` bits (1 to 8).
 pub fn codebook(dist: Dist, bits: u32) -> &'static Codebook {
     static GAUSS: [OnceLock<Codebook>; 8] = [const { OnceLock::new() }; 8];
@@ -182,6 +202,32 @@ mod tests {
         // E[|X|] for unit-variance Laplace is 1/sqrt(2).
         let c = codebook(Dist::Laplace, 1);
         assert!((c.levels[1] - std::f32::consts::FRAC_1_SQRT_2).abs() < 1e-4);
+    }
+
+    #[test]
+    fn cell_spread_matches_the_closed_form() {
+        // One Gaussian bit: the half-normal's variance about its mean, 1 - 2/pi.
+        let s = cell_std(Dist::Gaussian, 1);
+        let want = (1.0 - 2.0 / std::f64::consts::PI).sqrt() as f32;
+        assert!(s.iter().all(|x| (x - want).abs() < 1e-3), "{s:?} vs {want}");
+        // Averaged over cells (weighted by mass) the variances give the codebook's MSE.
+        for bits in 1..=4 {
+            let book = codebook(Dist::Gaussian, bits);
+            let th: Vec<f64> = book.thresholds.iter().map(|&t| f64::from(t)).collect();
+            let total: f64 = cell_std(Dist::Gaussian, bits)
+                .iter()
+                .enumerate()
+                .map(|(i, sd)| {
+                    let (a, b) = cell(&th, i);
+                    mass_and_moment(Dist::Gaussian, a, b).0 * f64::from(*sd).powi(2)
+                })
+                .sum();
+            assert!(
+                (total - book.mse).abs() < 1e-4 * book.mse.max(1e-3),
+                "{total} vs {}",
+                book.mse
+            );
+        }
     }
 
     #[test]

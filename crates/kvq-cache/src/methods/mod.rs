@@ -3,6 +3,7 @@
 
 pub mod dense;
 pub mod turboquant_mse;
+pub mod turboquant_rvq;
 
 use crate::registry::MethodEntry;
 
@@ -12,5 +13,6 @@ pub fn all() -> Vec<MethodEntry> {
         dense::fp16_entry(),
         dense::f32_entry(),
         turboquant_mse::entry(),
+        turboquant_rvq::entry(),
     ]
 }

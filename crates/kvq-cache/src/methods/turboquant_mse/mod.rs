@@ -4,92 +4,95 @@
 //! are accumulated in the rotated domain and rotated back once per query row.
 
 use crate::codec::bitpack;
-use crate::codec::hadamard::Rotation;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
 use crate::compressed::{CompressedCache, KernelKind, KeyCodec, ValueCodec};
 use crate::registry::{MethodEntry, param};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use half::f16;
+use kernel::{Isa, Table};
+use rotated::Rotated;
 use std::sync::Arc;
+
+pub mod kernel;
+pub(crate) mod rotated;
+#[cfg(test)]
+pub(crate) mod test_support;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-mse";
 
 /// One layer's rotations and codebook; encodes keys or values.
 pub struct MseCodec {
-    rotations: Vec<Rotation>,
+    core: Rotated,
     book: &'static Codebook,
-    bits: u32,
-    d: usize,
-    /// 1/sqrt(d): the codebook is for unit variance, the coordinates have variance 1/d.
-    sigma: f32,
 }
 
 impl MseCodec {
-    /// Rotations seeded by (`seed`, layer, head).
+    /// Rotations seeded by (`seed`, layer, head); `bits` in 1..=6.
     pub fn new(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<Self> {
-        if !d.is_power_of_two() {
-            return Err(CacheError::Shape(format!(
-                "{METHOD} needs a power-of-two head_dim, got {d}"
-            )));
+        if !(1..=kernel::MAX_BITS).contains(&bits) {
+            return Err(CacheError::InvalidBits {
+                method: METHOD.into(),
+                bits: bits.min(255) as u8,
+                valid: (1..=kernel::MAX_BITS as u8).collect(),
+            });
         }
-        let rotations = (0..heads)
-            .map(|h| Rotation::new(d, seed ^ ((layer as u64) << 32) ^ (h as u64 + 1)))
-            .collect();
-        Ok(Self {
-            rotations,
-            book: codebook(Dist::Gaussian, bits),
-            bits,
-            d,
-            sigma: 1.0 / (d as f32).sqrt(),
-        })
+        let book = codebook(Dist::Gaussian, bits);
+        let core = Rotated::new(METHOD, d, heads, Table::new(&book.levels), layer, seed)?;
+        Ok(Self { core, book })
+    }
+
+    /// Runs the kernels on `isa` instead of the fastest one (tests and benches).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.core.set_isa(isa);
+        self
     }
 
     fn encode_row(&self, head: usize, x: &[f32], out: &mut [u8]) {
-        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
-        out[..2].copy_from_slice(&f16::from_f32(norm).to_le_bytes());
-        let mut u = x.to_vec();
-        self.rotations[head].apply(&mut u);
-        let inv = if norm > 0.0 {
-            1.0 / (norm * self.sigma)
-        } else {
-            0.0
-        };
-        let idx: Vec<u8> = u.iter().map(|&v| self.book.quantize(v * inv)).collect();
-        bitpack::pack(&idx, self.bits, &mut out[2..]);
+        let th = &self.book.thresholds;
+        self.core
+            .encode(head, x, out, |y, idx| kernel::quantize_into(th, y, idx));
     }
 
-    /// Reconstructs a row: codebook values times norm and sigma, rotated back.
-    fn decode_row(&self, head: usize, code: &[u8], out: &mut [f32]) {
-        let w = Self::norm_of(code) * self.sigma;
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = w * self.book.levels[bitpack::get(&code[2..], self.bits, i) as usize];
-        }
-        self.rotations[head].invert(out);
+    /// The definition `encode` is tested against: each coordinate's level found by a search of
+    /// the thresholds, packed one code at a time.
+    pub fn encode_reference(&self, head: usize, x: &[f32], out: &mut [u8]) {
+        let mut u = vec![0f32; self.core.d()];
+        let norm = self.core.rotate_scaled(head, x, &mut u);
+        out[..2].copy_from_slice(&f16::from_f32(norm).to_le_bytes());
+        let idx: Vec<u8> = u.iter().map(|&v| self.book.quantize(v)).collect();
+        bitpack::pack(&idx, self.core.table().bits(), &mut out[2..]);
     }
 
     /// Estimates `q . k` for one key code, from the state `KeyCodec::prepare` filled (other
     /// methods built on this stage, such as TurboQuant-Prod, call it per code).
     pub fn score_one(&self, state: &[f32], code: &[u8]) -> f32 {
-        let levels = &self.book.levels;
-        let packed = &code[2..];
-        let mut acc = 0f32;
-        for (i, q) in state.iter().enumerate().take(self.d) {
-            acc += q * levels[bitpack::get(packed, self.bits, i) as usize];
-        }
-        acc * Self::norm_of(code)
+        let mut s = [0f32];
+        let cb = <Self as KeyCodec>::code_bytes(self);
+        self.core.scores(state, &code[..cb], cb, &mut s);
+        s[0]
     }
 
-    /// The fp16 norm stored at the front of a code row.
-    fn norm_of(code: &[u8]) -> f32 {
-        f16::from_le_bytes([code[0], code[1]]).to_f32()
+    /// `score_one` for `out.len()` rows of `stride` bytes that each begin with a code of this
+    /// codec (a method storing more per row scores its first stage in one call).
+    pub fn score_rows(&self, state: &[f32], codes: &[u8], stride: usize, out: &mut [f32]) {
+        self.core.scores(state, codes, stride, out);
+    }
+
+    /// The definition `scores` is tested against: one index at a time.
+    pub fn score_one_reference(&self, state: &[f32], code: &[u8]) -> f32 {
+        let bits = self.core.table().bits();
+        let acc: f32 = (0..self.core.d())
+            .map(|i| state[i] * self.core.table().level(bitpack::get(&code[2..], bits, i)))
+            .sum();
+        acc * Rotated::norm_of(code)
     }
 }
 
 impl KeyCodec for MseCodec {
     fn head_dim(&self) -> usize {
-        self.d
+        self.core.d()
     }
 
     fn kernel(&self) -> KernelKind {
@@ -97,11 +100,11 @@ impl KeyCodec for MseCodec {
     }
 
     fn decode(&self, head: usize, code: &[u8], out: &mut [f32]) {
-        self.decode_row(head, code, out);
+        self.core.decode(head, code, out);
     }
 
     fn code_bytes(&self) -> usize {
-        2 + bitpack::packed_len(self.d, self.bits)
+        self.core.code_bytes()
     }
 
     fn encode(&self, head: usize, k: &[f32], out: &mut [u8]) {
@@ -109,26 +112,21 @@ impl KeyCodec for MseCodec {
     }
 
     fn state_len(&self) -> usize {
-        self.d
+        self.core.d()
     }
 
     fn prepare(&self, head: usize, q: &[f32], state: &mut [f32]) {
-        state.copy_from_slice(q);
-        self.rotations[head].apply(state);
-        state.iter_mut().for_each(|x| *x *= self.sigma);
+        self.core.prepare(head, q, state);
     }
 
     fn scores(&self, _head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
-        let cb = <Self as KeyCodec>::code_bytes(self);
-        for (s, code) in out.iter_mut().zip(codes.chunks_exact(cb)) {
-            *s = self.score_one(state, code);
-        }
+        self.core.scores(state, codes, self.core.code_bytes(), out);
     }
 }
 
 impl ValueCodec for MseCodec {
     fn head_dim(&self) -> usize {
-        self.d
+        self.core.d()
     }
 
     fn kernel(&self) -> KernelKind {
@@ -136,11 +134,11 @@ impl ValueCodec for MseCodec {
     }
 
     fn decode(&self, head: usize, code: &[u8], out: &mut [f32]) {
-        self.decode_row(head, code, out);
+        self.core.decode(head, code, out);
     }
 
     fn code_bytes(&self) -> usize {
-        2 + bitpack::packed_len(self.d, self.bits)
+        self.core.code_bytes()
     }
 
     fn encode(&self, head: usize, v: &[f32], out: &mut [u8]) {
@@ -148,20 +146,12 @@ impl ValueCodec for MseCodec {
     }
 
     fn accumulate(&self, _head: usize, probs: &[f32], codes: &[u8], acc: &mut [f32]) {
-        let cb = <Self as ValueCodec>::code_bytes(self);
-        let levels = &self.book.levels;
-        for (&p, code) in probs.iter().zip(codes.chunks_exact(cb)) {
-            let w = p * Self::norm_of(code) * self.sigma;
-            let packed = &code[2..];
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a += w * levels[bitpack::get(packed, self.bits, i) as usize];
-            }
-        }
+        self.core
+            .accumulate(probs, codes, self.core.code_bytes(), acc);
     }
 
     fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]) {
-        out.copy_from_slice(acc);
-        self.rotations[head].invert(out);
+        self.core.finish(head, acc, out);
     }
 }
 
