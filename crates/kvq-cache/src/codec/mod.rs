@@ -5,3 +5,4 @@ pub mod bitpack;
 pub mod hadamard;
 pub mod kmeans;
 pub mod lloyd_max;
+pub mod sketch;

@@ -2,7 +2,9 @@
 //! `entry()` describing its name, bits and builder) and listing it in `all`.
 
 pub mod dense;
+pub mod qjl;
 pub mod turboquant_mse;
+pub mod turboquant_prod;
 pub mod turboquant_rvq;
 
 use crate::registry::MethodEntry;
@@ -13,6 +15,8 @@ pub fn all() -> Vec<MethodEntry> {
         dense::fp16_entry(),
         dense::f32_entry(),
         turboquant_mse::entry(),
+        qjl::entry(),
+        turboquant_prod::entry(),
         turboquant_rvq::entry(),
     ]
 }

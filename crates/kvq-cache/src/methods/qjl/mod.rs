@@ -1,0 +1,228 @@
+//! QJL: keys as a 1-bit Johnson-Lindenstrauss sign sketch, values groupwise scalar-quantized.
+//!
+//! Keys (see `keys.rs`): per layer and kv head a seeded Gaussian matrix S (m x d); a key stores
+//! `sign(S k)` in m bits and `||k||` in fp16 (plus, optionally, its `outliers` largest channels
+//! exactly), and is scored as `sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>`, unbiased over S. `S q`
+//! is computed once per query and turned into a byte lookup table. Values (see `values.rs`):
+//! per token, groups of `group_size` coordinates at `value_bits` (2 or 4; 8 allowed) with an
+//! fp16 scale and an fp16 minimum per group.
+//!
+//! **What `bits` means.** `bits` (2, 3 or 4; default 3) is the average number of bits per
+//! element over keys and values together, counting everything a compressed token holds (signs,
+//! norm, outliers, codes, scales, minima; the fp16 window and sinks come on top, as for every
+//! method). Each token and kv head gets `2 * bits * d` bits: the values take
+//! `d * (value_bits + 32 / group_size)`, and the key sketch takes what is left after its 16-bit
+//! norm and 24 bits per outlier, rounded down to a multiple of 8:
+//! `m = floor8(2 * bits * d - d * (value_bits + 32 / group_size) - 16 - 24 * outliers)`.
+//!
+//! | bits | value_bits | group_size | keys, bits/elem | values, bits/elem | m at d = 64 | m at d = 128 |
+//! |------|------------|------------|-----------------|-------------------|-------------|--------------|
+//! | 2    | 2          | 64         | 1.5             | 2.5               | 80          | 176          |
+//! | 3    | 2          | 32         | 3               | 3                 | 176         | 368          |
+//! | 4    | 2          | 32         | 5               | 3                 | 304         | 624          |
+//!
+//! So the `qjl-3bit` preset at SmolLM2's d = 64 is: keys = 176 sign bits + fp16 norm = 24 bytes
+//! (3 bits per element), values = 2-bit codes in two groups of 32 with fp16 scale and minimum =
+//! 16 + 8 = 24 bytes (3 bits per element): 48 bytes per token and kv head, exactly 3.0 bits per
+//! element on average (against 256 bytes in fp16). At 4 bits the extra bit goes to the keys:
+//! the sketch's noise dominates the attention error, and on Gaussian data 2-bit values with a
+//! 5-bit sketch beat 4-bit values with a 3-bit sketch (0.66 vs 0.83 relative error, tests.rs).
+//! The 2-bit value codes search a trimmed range per group (values.rs), which cuts their RMS
+//! error by about a fifth against plain min-max.
+//!
+//! Outliers (`outliers = n` keeps each key's n largest channels exactly, 24 bits each, paid for
+//! with sketch bits at equal `bits`): on Gaussian keys they cost accuracy (3 bits, n = 4:
+//! attention error 0.86 -> 0.94), on keys with a few 8x channels they halve it (1.11 -> 0.59),
+//! so they are off by default and a preset may turn them on for models with outlier channels.
+//!
+//! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` (default 0) shape the
+//! split above; `sketch_dim` sets m directly and applies only when no `bits` is given (a
+//! preset that fixes m leaves `bits` out; a request's bits then re-derive m); `window` (64),
+//! `sinks` (0), `seed`.
+
+pub mod keys;
+pub mod values;
+
+use crate::compressed::CompressedCache;
+use crate::registry::{BuildArgs, MethodEntry, param};
+use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::{CacheError, Result};
+pub use keys::{OUTLIER_BYTES, QjlKeyCodec};
+use std::sync::Arc;
+pub use values::{GroupCodec, VALUE_BITS};
+
+/// Registry name.
+pub const METHOD: &str = "qjl";
+
+/// The bits a request may ask for.
+pub const BITS: [u8; 3] = [2, 3, 4];
+
+/// How the key sketch dimension is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SketchSize {
+    /// Fill an average of `bits` bits per element over keys and values (see the module doc).
+    Budget(u32),
+    /// A fixed sketch dimension m.
+    Fixed(usize),
+}
+
+/// Builds QJL caches.
+#[derive(Debug, Clone)]
+pub struct QjlFactory {
+    pub sketch: SketchSize,
+    /// Bits per value code (2, 4 or 8).
+    pub value_bits: u32,
+    /// Coordinates per value group (capped at head_dim; must then divide it).
+    pub group_size: usize,
+    /// Largest-magnitude key channels kept exactly per token.
+    pub outliers: usize,
+    /// Recent tokens kept in fp16.
+    pub window: usize,
+    /// First tokens kept in fp16.
+    pub sinks: usize,
+    /// Seed of the sketch matrices.
+    pub seed: u64,
+}
+
+impl QjlFactory {
+    /// The configuration for `bits` bits per element (see the table in the module doc).
+    pub fn new(bits: u32) -> Self {
+        let (value_bits, group_size) = match bits {
+            0..=2 => (2, 64),
+            _ => (2, 32),
+        };
+        Self {
+            sketch: SketchSize::Budget(bits),
+            value_bits,
+            group_size,
+            outliers: 0,
+            window: 64,
+            sinks: 0,
+            seed: 0x51_4A4C,
+        }
+    }
+
+    /// Builds from a registry request: bits (or the default 3) and a preset's params.
+    pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
+        let p = a.params;
+        let base = Self::new(a.bits.map_or(3, u32::from));
+        let sketch = match (a.bits, param::<usize>(p, "sketch_dim")?) {
+            (None, Some(m)) => SketchSize::Fixed(m),
+            _ => base.sketch,
+        };
+        let f = Self {
+            sketch,
+            value_bits: param(p, "value_bits")?.unwrap_or(base.value_bits),
+            group_size: param(p, "group_size")?.unwrap_or(base.group_size),
+            outliers: param(p, "outliers")?.unwrap_or(base.outliers),
+            window: param(p, "window")?.unwrap_or(base.window),
+            sinks: param(p, "sinks")?.unwrap_or(base.sinks),
+            seed: param(p, "seed")?.unwrap_or(base.seed),
+        };
+        f.validate()?;
+        Ok(f)
+    }
+
+    /// Checks what does not depend on the head dimension.
+    fn validate(&self) -> Result<()> {
+        let bad = |message: String| CacheError::Preset {
+            path: METHOD.to_string(),
+            message,
+        };
+        if !VALUE_BITS.contains(&self.value_bits) {
+            return Err(bad(format!(
+                "value_bits must be 2, 4 or 8, got {}",
+                self.value_bits
+            )));
+        }
+        if self.group_size == 0 {
+            return Err(bad("group_size must be positive".into()));
+        }
+        match self.sketch {
+            SketchSize::Budget(b) => {
+                // Keys need at least one bit per element before their norm.
+                let values = self.value_bits as f64 + 32.0 / self.group_size as f64;
+                if 2.0 * b as f64 - values < 1.0 {
+                    return Err(bad(format!(
+                        "{b} bits per element leave the key sketch less than 1 bit per element \
+                         next to {values} bits per value"
+                    )));
+                }
+            }
+            SketchSize::Fixed(m) if m == 0 || !m.is_multiple_of(8) => {
+                return Err(bad(format!(
+                    "sketch_dim must be a positive multiple of 8, got {m}"
+                )));
+            }
+            SketchSize::Fixed(_) => {}
+        }
+        Ok(())
+    }
+
+    /// The value group size used at head dimension `d`.
+    pub fn group_for(&self, d: usize) -> usize {
+        self.group_size.min(d)
+    }
+
+    /// The sketch dimension m used at head dimension `d` (see the module doc).
+    pub fn sketch_dim_for(&self, d: usize) -> Result<usize> {
+        match self.sketch {
+            SketchSize::Fixed(m) => Ok(m),
+            SketchSize::Budget(b) => {
+                let g = self.group_for(d);
+                let total = 2 * b as usize * d;
+                let values = d * self.value_bits as usize + 32 * d.div_ceil(g);
+                let fixed = values + 16 + 8 * OUTLIER_BYTES * self.outliers;
+                match total.checked_sub(fixed).map(|k| k / 8 * 8) {
+                    Some(m) if m >= 8 => Ok(m),
+                    _ => Err(CacheError::Shape(format!(
+                        "{METHOD}: {b} bits per element leave no room for a key sketch at \
+                         head_dim {d}"
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// The key and value codecs of one layer.
+    pub fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(QjlKeyCodec, GroupCodec)> {
+        let d = geom.head_dim;
+        let m = self.sketch_dim_for(d)?;
+        let keys = QjlKeyCodec::new(d, geom.n_kv_heads, m, self.outliers, layer, self.seed)?;
+        let values = GroupCodec::new(d, self.value_bits, self.group_for(d))?;
+        Ok((keys, values))
+    }
+}
+
+impl CacheFactory for QjlFactory {
+    fn method(&self) -> &str {
+        METHOD
+    }
+
+    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
+        let (keys, values) = self.codecs(layer, geom)?;
+        Ok(Box::new(CompressedCache::new(
+            *geom,
+            METHOD,
+            Arc::new(keys),
+            Arc::new(values),
+            self.window,
+            self.sinks,
+        )))
+    }
+}
+
+/// The registry entry: bits 2, 3 or 4 (default 3), params as in the module doc.
+pub fn entry() -> MethodEntry {
+    MethodEntry {
+        name: METHOD,
+        bits: BITS.to_vec(),
+        default_bits: 3,
+        build: |a| Ok(Arc::new(QjlFactory::from_args(a)?)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testkit;
+#[cfg(test)]
+mod tests;

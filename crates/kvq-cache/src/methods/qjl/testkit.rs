@@ -1,0 +1,235 @@
+//! Test helpers shared by the QJL and TurboQuant-Prod tests: Gaussian data, attention error of
+//! a cache against exact attention, chunked-vs-stepped prefill, resident bytes, and the fused op
+//! against `kvq_kernels::attend_reference`.
+
+use crate::attention::attention_reference;
+use crate::codec::sketch::SplitMix;
+use crate::compressed::{KeyCodec, ValueCodec};
+use crate::traits::{CacheFactory, CacheGeometry};
+use candle_core::{Device, Tensor};
+use kvq_kernels::{AttendParams, attend_reference, compressed_attend, encode_keys, encode_values};
+use std::sync::Arc;
+
+/// `n` standard Gaussians from `seed`.
+pub fn gauss(n: usize, seed: u64) -> Vec<f32> {
+    SplitMix::new(seed).gauss_vec(n)
+}
+
+/// The test geometry: 4 query heads over 2 kv heads of dimension 64 (SmolLM2's head_dim).
+pub fn geom() -> CacheGeometry {
+    CacheGeometry {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        sliding_window: None,
+        max_tokens: 8192,
+    }
+}
+
+fn tensor(x: &[f32], dims: (usize, usize, usize)) -> Tensor {
+    Tensor::from_vec(x.to_vec(), dims, &Device::Cpu).unwrap()
+}
+
+/// Relative L2 error of one decode step's attention output against exact attention, after a
+/// `len`-token prefill (scale 1/8 = 1/sqrt(64)), with data drawn from `seed`.
+pub fn attention_error(f: &dyn CacheFactory, len: usize, seed: u64) -> f32 {
+    attention_error_with(f, len, seed, |_| {})
+}
+
+/// `attention_error` with every key row (d values) passed through `shape` first.
+pub fn attention_error_with(
+    f: &dyn CacheFactory,
+    len: usize,
+    seed: u64,
+    shape: impl Fn(&mut [f32]),
+) -> f32 {
+    let g = geom();
+    let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
+    let mut cache = f.create(0, &g).unwrap();
+    let mut k = gauss(kvh * len * d, seed);
+    let v = gauss(kvh * len * d, seed + 1);
+    let q = gauss(h * d, seed + 2);
+    let (mut k1, v1) = (gauss(kvh * d, seed + 3), gauss(kvh * d, seed + 4));
+    k.chunks_exact_mut(d)
+        .chain(k1.chunks_exact_mut(d))
+        .for_each(&shape);
+    cache
+        .append(&tensor(&k, (kvh, len, d)), &tensor(&v, (kvh, len, d)))
+        .unwrap();
+    cache
+        .append(&tensor(&k1, (kvh, 1, d)), &tensor(&v1, (kvh, 1, d)))
+        .unwrap();
+    let out = cache
+        .attend(&tensor(&q, (h, 1, d)), 0.125)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let join = |a: &[f32], b: &[f32]| -> Vec<f32> {
+        (0..kvh)
+            .flat_map(|hh| {
+                a[hh * len * d..(hh + 1) * len * d]
+                    .iter()
+                    .chain(&b[hh * d..(hh + 1) * d])
+                    .copied()
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let want = attention_reference(
+        &q,
+        &join(&k, &k1),
+        &join(&v, &v1),
+        h,
+        kvh,
+        1,
+        len + 1,
+        d,
+        0.125,
+        None,
+    );
+    rel_err(&out, &want)
+}
+
+/// The mean of `attention_error_with` over 4 method seeds (sketch matrices, rotations: `make`
+/// builds the factory for a seed) times 2 data seeds. The error depends on the matrices drawn
+/// as much as on the data, so both are averaged.
+pub fn seed_averaged_error<F: CacheFactory>(
+    make: impl Fn(u64) -> F,
+    shape: impl Fn(&mut [f32]) + Copy,
+) -> f32 {
+    let mut total = 0f32;
+    for s in 0..4u64 {
+        let f = make(s * 7919 + 1);
+        for i in 0..2u64 {
+            total += attention_error_with(&f, 300, 100 * i + 1, shape);
+        }
+    }
+    total / 8.0
+}
+
+/// `||a - b|| / ||b||`.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+/// Appending a 50-token chunk and attending all its rows equals appending and attending token
+/// by token (what generation sees); returns the largest difference.
+pub fn prefill_vs_steps(f: &dyn CacheFactory) -> f32 {
+    let g = geom();
+    let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
+    let t = 50;
+    let (kt, vt, qt) = (
+        tensor(&gauss(kvh * t * d, 11), (kvh, t, d)),
+        tensor(&gauss(kvh * t * d, 12), (kvh, t, d)),
+        tensor(&gauss(h * t * d, 13), (h, t, d)),
+    );
+    let mut chunked = f.create(0, &g).unwrap();
+    chunked.append(&kt, &vt).unwrap();
+    let a = chunked.attend(&qt, 0.125).unwrap();
+    let mut stepped = f.create(0, &g).unwrap();
+    let mut worst = 0f32;
+    for i in 0..t {
+        stepped
+            .append(&kt.narrow(1, i, 1).unwrap(), &vt.narrow(1, i, 1).unwrap())
+            .unwrap();
+        let b = stepped
+            .attend(&qt.narrow(1, i, 1).unwrap().contiguous().unwrap(), 0.125)
+            .unwrap();
+        let diff = (a.narrow(1, i, 1).unwrap() - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        worst = worst.max(diff);
+    }
+    worst
+}
+
+/// Resident bytes at 8192 tokens over the promised size: per token and kv head the key and
+/// value code bytes, plus the fp16 window (64 tokens of keys and values) amortized.
+pub fn resident_ratio(f: &dyn CacheFactory, key_bytes: usize, value_bytes: usize) -> f64 {
+    let g = geom();
+    let mut cache = f.create(0, &g).unwrap();
+    let (kvh, d) = (g.n_kv_heads, g.head_dim);
+    let len = 8192 - 64;
+    let k = tensor(&gauss(kvh * len * d, 1), (kvh, len, d));
+    cache.append(&k, &k).unwrap();
+    let one = tensor(&gauss(kvh * d, 2), (kvh, 1, d));
+    for _ in 0..64 {
+        cache.append(&one, &one).unwrap();
+    }
+    let n = cache.len();
+    let promised = kvh * (n * (key_bytes + value_bytes) + 2 * 64 * d * 2);
+    cache.resident_bytes() as f64 / promised as f64
+}
+
+/// The fused op (`compressed_attend`, codes from the encode op) against `attend_reference`
+/// (decode, then exact attention) for a prompt of `t` rows over 300 positions; returns the
+/// largest relative difference of the normalized outputs.
+pub fn op_vs_reference(keys: Arc<dyn KeyCodec>, values: Arc<dyn ValueCodec>) -> f32 {
+    let g = geom();
+    let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
+    let (n, t) = (300, 5);
+    let kx = tensor(&gauss(kvh * n * d, 21), (kvh, n, d));
+    let vx = tensor(&gauss(kvh * n * d, 22), (kvh, n, d));
+    let q = gauss(h * t * d, 23);
+    let kc = encode_keys(&keys, &kx).unwrap();
+    let vc = encode_values(&values, &vx).unwrap();
+    let p = AttendParams {
+        scale: 0.125,
+        first_pos: n - t,
+        window: 16,
+        sinks: 2,
+        sliding_window: None,
+    };
+    let got = compressed_attend(&keys, &values, p, &tensor(&q, (h, t, d)), &kc, &vc)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+    let want = attend_reference(
+        keys.as_ref(),
+        values.as_ref(),
+        p,
+        &q,
+        h,
+        &flat(&kc),
+        &flat(&vc),
+        kvh,
+    );
+    // Compare normalized outputs (out / sum) and the running max, row by row.
+    let mut worst = 0f32;
+    for (a, b) in got.chunks_exact(d + 2).zip(want.chunks_exact(d + 2)) {
+        let na: Vec<f32> = a[..d].iter().map(|x| x / a[d + 1]).collect();
+        let nb: Vec<f32> = b[..d].iter().map(|x| x / b[d + 1]).collect();
+        worst = worst.max(rel_err(&na, &nb));
+        worst = worst.max((a[d] - b[d]).abs() / (1.0 + b[d].abs()));
+    }
+    worst
+}
+
+/// Mean and standard error of `estimate(seed)` over `n` seeds.
+pub fn mean_and_se(n: u64, estimate: impl Fn(u64) -> f64) -> (f64, f64) {
+    let xs: Vec<f64> = (0..n).map(estimate).collect();
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean, (var / n as f64).sqrt())
+}
+
+/// (q, k) pairs: independent, strongly correlated, and anti-correlated with a large norm.
+pub fn pairs(d: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let q = gauss(d, 71);
+    let noise = gauss(d, 72);
+    let close: Vec<f32> = q.iter().zip(&noise).map(|(a, b)| a + 0.3 * b).collect();
+    let anti: Vec<f32> = q.iter().zip(&noise).map(|(a, b)| -3.0 * a + b).collect();
+    vec![(q.clone(), gauss(d, 73)), (q.clone(), close), (q, anti)]
+}
