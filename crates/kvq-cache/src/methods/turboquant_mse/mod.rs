@@ -1,7 +1,9 @@
 //! TurboQuant-MSE: rotate by a seeded randomized Hadamard transform, store `||x||` in fp16 and
 //! each rotated coordinate of `x / ||x||` as a b-bit index into the Lloyd-Max codebook for
 //! N(0, 1/d). Keys are scored by rotating the query once and gathering codebook values; values
-//! are accumulated in the rotated domain and rotated back once per query row.
+//! are accumulated in the rotated domain and rotated back once per query row. The loops live in
+//! `kernel` (AVX-512 and portable paths, each tested against a plain reference); `rotated` is the
+//! frame this method shares with TurboQuant-RVQ.
 
 use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
