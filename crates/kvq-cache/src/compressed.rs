@@ -259,6 +259,16 @@ impl KvCache for CompressedCache {
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
         let t = self.geom.check_attend(self.len, q)?;
         let p = self.params(t, scale);
+        // The fp16 rows of the first query's window must still be here (they are unless the
+        // caller attends twice for the same positions: the first attend released them).
+        let (_, _, c1_first) = p.ranges(p.first_pos);
+        if c1_first < self.recent_k.first {
+            return Err(CacheError::Shape(format!(
+                "attend for positions from {} needs fp16 rows from {c1_first}, kept from {}: \
+                 append before attending again",
+                p.first_pos, self.recent_k.first
+            )));
+        }
         let q = q.contiguous()?;
         let (_, c0, c1) = p.ranges(self.len.saturating_sub(1));
         let parts = match (

@@ -174,3 +174,25 @@ fn bits_outside_the_kernels_are_an_error() {
     assert!(MseCodec::new(64, 1, 7, 0, 0).is_err());
     assert!(MseCodec::new(48, 1, 2, 0, 0).is_err());
 }
+
+#[test]
+fn attending_twice_without_append_is_an_error_not_a_panic() {
+    use candle_core::{Device, Tensor};
+    let g = super::test_support::geom();
+    let f = TurboQuantMseFactory {
+        window: 4,
+        ..TurboQuantMseFactory::new(3)
+    };
+    let mut cache = f.create(0, &g).unwrap();
+    let dev = Device::Cpu;
+    let kv = Tensor::from_vec(gauss(2 * 20 * 64, 5), (2, 20, 64), &dev).unwrap();
+    cache.append(&kv, &kv).unwrap();
+    let q = Tensor::from_vec(gauss(4 * 20 * 64, 6), (4, 20, 64), &dev).unwrap();
+    cache.attend(&q, 0.125).unwrap();
+    assert!(cache.attend(&q, 0.125).is_err());
+    // One more position, one query: fine again.
+    let kv1 = Tensor::from_vec(gauss(2 * 64, 7), (2, 1, 64), &dev).unwrap();
+    cache.append(&kv1, &kv1).unwrap();
+    let q1 = Tensor::from_vec(gauss(4 * 64, 8), (4, 1, 64), &dev).unwrap();
+    cache.attend(&q1, 0.125).unwrap();
+}
