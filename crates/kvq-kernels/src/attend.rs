@@ -112,11 +112,7 @@ fn attend_row(op: &AttendOp, kh: usize, q: &[f32], kcodes: &[u8], vcodes: &[u8],
         *x *= op.p.scale;
         max = max.max(*x);
     }
-    let mut sum = 0f32;
-    for x in s.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
+    let sum = crate::math::exp_sub_sum(&mut s, max);
     let mut acc = vec![0f32; op.values.acc_len()];
     op.values.accumulate(kh, &s, vcodes, &mut acc);
     op.values.finish(kh, &acc, &mut out[..d]);

@@ -15,6 +15,7 @@
 mod attend;
 mod codec;
 mod encode;
+mod math;
 mod nearest;
 mod storage;
 
