@@ -259,8 +259,15 @@ impl CacheRegistry {
                 valid: entry.bits.clone(),
             });
         }
+        // Request bits override everything; otherwise a preset's explicit per-part bits win over
+        // its `bits` (which only names the setting then).
+        let explicit = ["key_bits", "value_bits"]
+            .iter()
+            .any(|k| entry.params.contains_key(*k));
         let args = BuildArgs {
-            bits: spec.bits.or(entry.preset_bits),
+            bits: spec
+                .bits
+                .or(if explicit { None } else { entry.preset_bits }),
             params: &entry.params,
             calibration: self.calibration.as_ref(),
         };
@@ -332,5 +339,38 @@ mod tests {
             r.resolve(&spec),
             Err(CacheError::InvalidBits { bits: 3, .. })
         ));
+    }
+
+    #[test]
+    fn preset_part_bits_win_over_its_bits_and_request_bits_win_over_both() {
+        use crate::traits::CacheGeometry;
+        use candle_core::{Device, Tensor};
+        let mut r = CacheRegistry::builtin();
+        let text = "method = \"turboquant-mse\"\nbits = 3\n[params]\nkey_bits = 4\nvalue_bits = 2\nwindow = 1\n";
+        r.add_preset("mixed", text, "mixed.toml").unwrap();
+        let g = CacheGeometry {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+            sliding_window: None,
+            max_tokens: 1024,
+        };
+        let split = |bits: Option<u8>| {
+            let spec = CacheSpec {
+                method: Some("mixed".into()),
+                bits,
+            };
+            let mut c = r.resolve(&spec).unwrap().factory.create(0, &g).unwrap();
+            let x = Tensor::ones((1, 256, 64), candle_core::DType::F32, &Device::Cpu).unwrap();
+            c.append(&x, &x).unwrap();
+            c.resident_split()
+        };
+        let (k, v) = split(None);
+        assert!(
+            k > v,
+            "4-bit keys ({k} B) hold more than 2-bit values ({v} B)"
+        );
+        let (k, v) = split(Some(3));
+        assert_eq!(k, v, "request bits set both");
     }
 }
