@@ -54,6 +54,9 @@ pub use values::{GroupCodec, VALUE_BITS};
 /// Registry name.
 pub const METHOD: &str = "qjl";
 
+/// Largest sketch dimension a preset may set (the matrices are m x d f32 per head).
+pub const MAX_SKETCH_DIM: usize = 8192;
+
 /// The bits a request may ask for.
 pub const BITS: [u8; 3] = [2, 3, 4];
 
@@ -149,9 +152,9 @@ impl QjlFactory {
                     )));
                 }
             }
-            SketchSize::Fixed(m) if m == 0 || !m.is_multiple_of(8) => {
+            SketchSize::Fixed(m) if m == 0 || !m.is_multiple_of(8) || m > MAX_SKETCH_DIM => {
                 return Err(bad(format!(
-                    "sketch_dim must be a positive multiple of 8, got {m}"
+                    "sketch_dim must be a positive multiple of 8 up to {MAX_SKETCH_DIM}, got {m}"
                 )));
             }
             SketchSize::Fixed(_) => {}

@@ -295,4 +295,6 @@ fn registry_params_shape_the_codecs() {
     assert!(QjlFactory::from_args(&args(None, &params)).is_err());
     params.insert("value_bits".into(), toml::Value::Integer(4));
     assert!(QjlFactory::from_args(&args(Some(2), &params)).is_err());
+    params.insert("sketch_dim".into(), toml::Value::Integer(1 << 20));
+    assert!(QjlFactory::from_args(&args(None, &params)).is_err());
 }

@@ -23,9 +23,6 @@ use std::sync::Arc;
 /// Registry name.
 pub const METHOD: &str = "turboquant-prod";
 
-/// Rows the MSE stage scores per batch in [`ProdKeyCodec`]'s `scores`.
-const SCORE_BLOCK: usize = 64;
-
 /// Keys: an MSE stage plus a sign sketch of its residual.
 pub struct ProdKeyCodec {
     mse: MseCodec,
@@ -104,24 +101,14 @@ impl KeyCodec for ProdKeyCodec {
         self.sketch.prepare(head, q, table);
     }
 
-    fn scores(&self, head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
+    fn scores(&self, _head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
         let (cb, mb) = (self.code_bytes(), self.mse_bytes());
         let (ms, table) = state.split_at(self.mse_state());
-        // The MSE stage scores a block of its codes at a time through its own batched path, from
-        // a contiguous copy; the residual sketch is added per row.
-        let mut stage = vec![0u8; SCORE_BLOCK * mb];
-        for (outs, rows) in out
-            .chunks_mut(SCORE_BLOCK)
-            .zip(codes.chunks(SCORE_BLOCK * cb))
-        {
-            let stage = &mut stage[..outs.len() * mb];
-            for (dst, row) in stage.chunks_exact_mut(mb).zip(rows.chunks_exact(cb)) {
-                dst.copy_from_slice(&row[..mb]);
-            }
-            self.mse.scores(head, ms, stage, outs);
-            for (s, row) in outs.iter_mut().zip(rows.chunks_exact(cb)) {
-                *s += self.residual_norm(row) * SignSketch::dot(table, &row[mb + 2..]);
-            }
+        // The MSE stage scores every row's leading code in one batched call; then the residual
+        // sketch is added per row.
+        self.mse.score_rows(ms, codes, cb, out);
+        for (s, row) in out.iter_mut().zip(codes.chunks_exact(cb)) {
+            *s += self.residual_norm(row) * SignSketch::dot(table, &row[mb + 2..]);
         }
     }
 
