@@ -19,6 +19,10 @@ pub enum CacheError {
     /// A preset file could not be read or parsed.
     #[error("cache preset {path}: {message}")]
     Preset { path: String, message: String },
+    /// A data-dependent method has no usable calibration (missing, for another model, or
+    /// unreadable).
+    #[error("calibration: {0}")]
+    Calibration(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -3,6 +3,7 @@
 //! Prometheus metrics. The `kvq` binary (`main.rs`, `cli/`) is built on this library.
 
 pub mod cache_select;
+pub mod calibration;
 pub mod error;
 pub mod extract;
 pub mod generation;

@@ -89,41 +89,57 @@ pub fn sample_indices(n: usize, count: usize, rng: &mut SplitMix) -> Vec<usize> 
     all
 }
 
-fn dist2(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
-}
-
 /// k-means++ seeding: the first centroid uniformly, each next one with probability
-/// proportional to the squared distance to the nearest centroid chosen so far.
+/// proportional to the squared distance to the nearest centroid chosen so far. The points are
+/// transposed once (`[dim][n]`) so each distance update is a vectorized pass over all points
+/// that also sums the new weights.
 fn seed_plus_plus(pts: &[f32], dim: usize, k: usize, rng: &mut SplitMix) -> Vec<f32> {
     let n = pts.len() / dim;
     let point = |i: usize| &pts[i * dim..(i + 1) * dim];
+    let mut cols = vec![0f32; dim * n];
+    for (i, p) in pts.chunks_exact(dim).enumerate() {
+        for (j, &v) in p.iter().enumerate() {
+            cols[j * n + i] = v;
+        }
+    }
     let mut centroids = Vec::with_capacity(k * dim);
-    let first = rng.below(n);
-    centroids.extend_from_slice(point(first));
-    let mut d2: Vec<f32> = (0..n).map(|i| dist2(point(i), point(first))).collect();
-    for _ in 1..k {
-        let total: f64 = d2.iter().map(|&d| d as f64).sum();
-        let pick = if total > 0.0 {
+    let mut d2 = vec![f32::INFINITY; n];
+    let mut scratch = vec![0f32; n];
+    let mut pick = rng.below(n);
+    for chosen in 0..k {
+        let c = point(pick).to_vec();
+        centroids.extend_from_slice(&c);
+        if chosen + 1 == k {
+            break;
+        }
+        // scratch = |x - c|^2 for every point, column by column.
+        scratch.fill(0.0);
+        for (col, &cj) in cols.chunks_exact(n).zip(&c) {
+            for (s, &x) in scratch.iter_mut().zip(col) {
+                let t = x - cj;
+                *s += t * t;
+            }
+        }
+        let mut total = 0f64;
+        for (d, &s) in d2.iter_mut().zip(&scratch) {
+            *d = d.min(s);
+            total += *d as f64;
+        }
+        pick = if total > 0.0 {
             let mut r = rng.next_f64() * total;
-            let mut pick = n - 1;
+            let mut at = n - 1;
             for (i, &d) in d2.iter().enumerate() {
                 r -= d as f64;
                 if r < 0.0 && d > 0.0 {
-                    pick = i;
+                    at = i;
                     break;
                 }
             }
-            pick
+            at
         } else {
             // Every point sits on a centroid already: duplicates are all that is left.
             rng.below(n)
         };
-        let c = point(pick).to_vec();
-        for (i, d) in d2.iter_mut().enumerate() {
-            *d = d.min(dist2(point(i), &c));
-        }
-        centroids.extend_from_slice(&c);
     }
     centroids
 }
@@ -223,6 +239,10 @@ fn reseed_empty(pts: &[f32], dim: usize, counts: &[usize], dist: &[f32], centroi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn dist2(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
+    }
 
     /// `per` points around each of `centers` (`[m, dim]`), noise uniform in +-`noise`.
     fn clustered(centers: &[f32], dim: usize, per: usize, noise: f32, seed: u64) -> Vec<f32> {

@@ -6,6 +6,7 @@ pub mod qjl;
 pub mod turboquant_mse;
 pub mod turboquant_prod;
 pub mod turboquant_rvq;
+pub mod vecinfer;
 
 use crate::registry::MethodEntry;
 
@@ -18,5 +19,6 @@ pub fn all() -> Vec<MethodEntry> {
         qjl::entry(),
         turboquant_prod::entry(),
         turboquant_rvq::entry(),
+        vecinfer::entry(),
     ]
 }

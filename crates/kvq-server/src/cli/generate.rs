@@ -4,9 +4,10 @@
 use super::model::{load_with_progress, resolve_model_path};
 use anyhow::{Context, bail};
 use clap::Args;
-use kvq_cache::{CacheRegistry, CacheSpec};
+use kvq_cache::CacheSpec;
 use kvq_engine::{Engine, EngineConfig, GenerationEvent, GenerationRequest, SamplingParams, Usage};
 use kvq_models::ChatMessage;
+use kvq_server::calibration::registry_for;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 
@@ -56,15 +57,15 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
 
-    let registry = CacheRegistry::builtin();
-    let cache = registry
-        .resolve(&CacheSpec {
-            method: args.kv_cache_method.clone(),
-            bits: args.kv_cache_bits,
-        })
-        .context("--kv-cache-method")?;
-
     let path = resolve_model_path(args.model.clone())?;
+    // VecInfer finds (or makes, on first use) the calibration of this model on its own.
+    let registry = registry_for(&path);
+    let spec = CacheSpec {
+        method: args.kv_cache_method.clone(),
+        bits: args.kv_cache_bits,
+    };
+    let cache = registry.resolve(&spec).context("--kv-cache-method")?;
+
     let model = load_with_progress(path).await?;
     let engine = Engine::start(
         model,

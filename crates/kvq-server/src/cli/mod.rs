@@ -2,6 +2,7 @@
 //! loading with a progress bar shared by both.
 
 mod bench;
+mod calibrate;
 mod generate;
 mod model;
 mod serve;
@@ -25,6 +26,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prompt and decode tokens/s (optionally against llama-bench results).
     Bench(bench::BenchArgs),
+    /// Train VecInfer's codebooks and smoothing factors for a model on a text.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 impl Command {
@@ -32,6 +35,7 @@ impl Command {
     pub fn default_log_level(&self) -> &'static str {
         match self {
             Command::Serve(_) => "info",
+            Command::Calibrate(_) => "warn",
             Command::Generate(_) | Command::Bench(_) => "warn",
         }
     }
@@ -53,5 +57,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args).await,
         Command::Generate(args) => generate::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Calibrate(args) => calibrate::run(args).await,
     }
 }

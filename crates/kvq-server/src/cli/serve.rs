@@ -5,8 +5,8 @@
 use super::model::{load_with_progress, resolve_model_path};
 use anyhow::Context;
 use clap::Args;
-use kvq_cache::CacheRegistry;
 use kvq_engine::{Engine, EngineConfig};
+use kvq_server::calibration::registry_for;
 use kvq_server::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits, install_metrics, serve};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -110,14 +110,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_running >= 1, "--max-running must be at least 1");
     anyhow::ensure!(args.max_n >= 1, "--max-n must be at least 1");
     let path = resolve_model_path(args.model)?;
-    let model = load_with_progress(path).await?;
+    let model = load_with_progress(path.clone()).await?;
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
         ..EngineConfig::default()
     };
     let engine = Engine::start(model, config);
-    let mut registry = CacheRegistry::builtin();
+    // VecInfer finds (or makes, on first use) the calibration of this model on its own.
+    let mut registry = registry_for(&path);
     if let Some(m) = &args.default_method {
         registry.set_default(m)?;
     }
