@@ -1,10 +1,12 @@
-//! The command line: `kvq serve` and `kvq generate` (clap derive), logging setup, and model
-//! loading with a progress bar shared by both.
+//! The command line: `kvq serve`, `kvq generate`, `kvq bench` and `kvq eval` (clap derive),
+//! logging setup, and model loading with a progress bar shared by all.
 
 mod bench;
 mod calibrate;
+mod eval;
 mod generate;
 mod model;
+mod presets;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +30,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Train VecInfer's codebooks and smoothing factors for a model on a text.
     Calibrate(calibrate::CalibrateArgs),
+    /// Measure perplexity per KV cache method (llama-perplexity's protocol) against fp16.
+    Eval(eval::EvalArgs),
 }
 
 impl Command {
@@ -36,7 +40,7 @@ impl Command {
         match self {
             Command::Serve(_) => "info",
             Command::Calibrate(_) => "warn",
-            Command::Generate(_) | Command::Bench(_) => "warn",
+            Command::Generate(_) | Command::Bench(_) | Command::Eval(_) => "warn",
         }
     }
 }
@@ -58,5 +62,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Calibrate(args) => calibrate::run(args).await,
+        Command::Eval(args) => eval::run(args).await,
     }
 }

@@ -1,50 +1,75 @@
-//! `kvq bench`: prompt (prefill) and decode tokens/s per KV cache method and prompt length,
-//! measured the way llama.cpp's `llama-bench` does (random prompt tokens, one batched prefill,
-//! then one token per step), printed as a table, written as JSON rows and drawn as a PNG bar
-//! chart; optionally side by side with `llama-bench -o json` results (`--compare-llama-bench`).
+//! `kvq bench`: speed and memory per KV cache method and context length (`--ctx`). Prompt
+//! (prefill) and decode tokens/s are measured the way llama.cpp's `llama-bench` does (random
+//! prompt tokens, then one token per step at that depth), the prompt fed in chunks of
+//! `--prefill-chunk` tokens as `kvq serve` does; memory is the cache's resident bytes and the
+//! process's RSS (after the model load, at the end with the cache alive, and the peak). With more
+//! than one (method, ctx) pair each runs in a child process of its own (`--isolate`,
+//! isolate.rs), so every row's RSS is that method's alone. Printed as a table, written as JSON
+//! rows and drawn as PNG bar charts (speed, and memory beside it); optionally side by side with
+//! `llama-bench -o json` results (`--compare-llama-bench`).
 //!
 //! `--from-json` skips measuring: it merges the rows of earlier runs (their samples pooled), so
 //! interleaved rounds of kvq and llama.cpp on a noisy machine can be reported as one result.
 
 use super::model::{load_with_progress, resolve_model_path};
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use clap::Args;
-use comfy_table::{Cell, CellAlignment, Table, presets::ASCII_MARKDOWN};
-use kvq_cache::{CacheRegistry, CacheSpec};
+use kvq_cache::{CacheSpec, LayerCaches, ResolvedCache};
 use kvq_models::model::{Model, SeqStep};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+pub use llama::LlamaCpp;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Prompt lengths to measure, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    /// Context depths to measure, comma-separated: a prompt of that many random tokens, then
+    /// decode at that depth.
+    #[arg(
+        long,
+        visible_alias = "ctx",
+        value_delimiter = ',',
+        default_value = "128,512"
+    )]
     pub prompt_tokens: Vec<usize>,
     /// Tokens to decode after each prompt.
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
-    /// KV cache methods to measure, comma-separated registry names.
+    /// Prompt tokens per forward pass, as the server's scheduler feeds them.
+    #[arg(long, default_value_t = kvq_engine::EngineConfig::default().prefill_chunk)]
+    pub prefill_chunk: usize,
+    /// KV cache methods to measure, comma-separated registry names or presets.
     #[arg(long, value_delimiter = ',', default_value = "fp16")]
     pub methods: Vec<String>,
-    /// Timed repetitions of each (method, prompt length); the median is reported.
+    /// Timed repetitions of each (method, ctx); the median is reported.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// Skip the untimed warm-up run before each (method, prompt length).
+    /// Skip the untimed warm-up (one prefill chunk and 4 decode steps) before each (method, ctx).
     #[arg(long)]
     pub no_warmup: bool,
+    /// Measure each (method, ctx) in a child process of its own, so the RSS columns are that
+    /// method's alone [default: on when more than one pair is measured].
+    #[arg(long, overrides_with = "no_isolate")]
+    pub isolate: bool,
+    /// Measure every pair in this process (RSS at end and peak then accumulate down the rows).
+    #[arg(long, overrides_with = "isolate")]
+    pub no_isolate: bool,
     /// Seed of the random prompt tokens.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Directory of cache presets [default: configs/cache when it exists].
+    #[arg(long)]
+    pub cache_presets: Option<PathBuf>,
     /// Write the rows as a JSON list to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Draw a PNG bar chart of prompt and decode tokens/s to this file.
+    /// Draw a PNG bar chart of prompt and decode tokens/s to this file, and one of KV cache MiB
+    /// and peak RSS beside it (OUT-memory.png).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// A TrueType font for the plot's text (default: DejaVu Sans or Liberation Sans from
@@ -91,60 +116,83 @@ impl Stats {
     }
 }
 
-/// llama.cpp's numbers for the same prompt length, from `llama-bench -o json`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LlamaCpp {
-    /// Prompt processing of `prompt_tokens` tokens (`pp N`).
-    pub pp_tps: Option<Stats>,
-    /// Decode of `gen_tokens` tokens after `tg_depth` tokens of context (`tg G @ dN`).
-    pub tg_tps: Option<Stats>,
-    /// Context depth of `tg_tps`: the prompt length when llama-bench ran with `-d`, else 0.
-    pub tg_depth: usize,
-    /// Decode from an empty context (`tg G`), llama-bench's default test.
-    pub tg_tps_depth0: Option<Stats>,
-    /// kvq median / llama.cpp median.
-    pub pp_ratio: Option<f64>,
-    pub tg_ratio: Option<f64>,
-    pub build_commit: Option<String>,
-    /// llama-bench's `-t`, matched to kvq's thread count.
-    pub n_threads: u64,
-}
-
-/// One measured configuration.
+/// One measured configuration. Fields added after the first version are `serde(default)`, so
+/// older `--json` files still merge (`--from-json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchRow {
     pub engine: String,
     pub model: String,
     pub method: String,
     pub bits: u8,
+    /// The context depth: prompt tokens prefilled before decoding.
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub threads: usize,
+    /// Prompt tokens per prefill forward pass (0: unknown, rows from before chunking).
+    #[serde(default)]
+    pub prefill_chunk: usize,
     /// Prompt tokens / prefill seconds.
     pub pp_tps: Stats,
     /// Generated tokens / decode seconds (one forward and a greedy pick per token).
     pub tg_tps: Stats,
+    /// This row's decode tokens/s over fp16's at the same ctx (derived).
+    #[serde(default)]
+    pub tg_vs_fp16: Option<f64>,
     /// Bytes the KV cache holds after prompt + generated tokens.
     pub kv_resident_bytes: usize,
+    /// Positions the cache held then (prompt + generated).
+    #[serde(default)]
+    pub kv_tokens: usize,
+    /// `kv_resident_bytes / kv_tokens` (derived).
+    #[serde(default)]
+    pub kv_bytes_per_token: f64,
+    /// fp16's resident KV bytes at the same ctx over this row's: times smaller (derived).
+    #[serde(default)]
+    pub kv_vs_fp16: Option<f64>,
+    /// The process's resident set (VmRSS) right after the model was loaded.
+    #[serde(default)]
+    pub rss_loaded_bytes: Option<u64>,
+    /// VmRSS when the row was done, the last run's caches still alive.
+    #[serde(default)]
+    pub rss_end_bytes: Option<u64>,
     /// The process's peak resident set (VmHWM) when the row was done.
     pub peak_rss_bytes: Option<u64>,
+    /// Whether the process measured this row alone (then its RSS numbers are this row's only).
+    #[serde(default)]
+    pub isolated: bool,
+    /// Seconds of warm-up and timed runs (the model load not included).
+    #[serde(default)]
+    pub measure_s: f64,
+    /// Wall seconds of the child process that measured the row (`--isolate`; model load included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub child_wall_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llama_cpp: Option<LlamaCpp>,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let mut rows = if args.from_json.is_empty() {
-        measure_all(&args).await?
+    let mut rows = if !args.from_json.is_empty() {
+        rows::merge_runs(&args.from_json)?
     } else {
-        merge_runs(&args.from_json)?
+        validate(&args)?;
+        let path = resolve_model_path(args.model.clone())?;
+        // Resolving here also makes a missing VecInfer calibration once, in this process, not in
+        // a child whose peak RSS it would inflate; an unknown name fails before anything runs.
+        let methods = resolve_methods(&args, &path)?;
+        if isolate::wanted(&args) {
+            isolate::measure(&args, &path)?
+        } else {
+            measure_all(&args, path, methods).await?
+        }
     };
+    rows::derive(&mut rows);
     if !args.compare_llama_bench.is_empty() {
-        let llama = LlamaBench::read(&args.compare_llama_bench)?;
+        let llama = llama::LlamaBench::read(&args.compare_llama_bench)?;
         for row in &mut rows {
             row.llama_cpp = Some(llama.compare(row));
         }
     }
-    println!("{}", render_table(&rows));
+    println!("{}", table::render_table(&rows));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&rows)?;
         std::fs::write(path, text + "\n")
@@ -152,24 +200,65 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.plot {
         let font = plot::find_font(args.plot_font.as_deref())?;
-        plot::draw(&rows, path, &font)
+        plot::register_font(&font)?;
+        plot::draw(&rows, path)
             .with_context(|| format!("could not draw the plot {}", path.display()))?;
         eprintln!("wrote {}", path.display());
+        let memory = memory_plot_path(path);
+        plot::draw_memory(&rows, &memory)
+            .with_context(|| format!("could not draw the plot {}", memory.display()))?;
+        eprintln!("wrote {}", memory.display());
     }
     Ok(())
 }
 
-async fn measure_all(args: &BenchArgs) -> anyhow::Result<Vec<BenchRow>> {
-    ensure!(!args.prompt_tokens.is_empty(), "--prompt-tokens is empty");
+/// `OUT.png` -> `OUT-memory.png`, beside it.
+fn memory_plot_path(path: &Path) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or_else(|| "png".into(), |e| e.to_string_lossy().into_owned());
+    path.with_file_name(format!("{stem}-memory.{ext}"))
+}
+
+fn validate(args: &BenchArgs) -> anyhow::Result<()> {
+    ensure!(!args.prompt_tokens.is_empty(), "--ctx is empty");
     ensure!(
         args.prompt_tokens.iter().all(|&n| n >= 1),
-        "--prompt-tokens must be at least 1"
+        "--ctx must be at least 1"
     );
+    ensure!(!args.methods.is_empty(), "--methods is empty");
     ensure!(args.gen_tokens >= 1, "--gen-tokens must be at least 1");
+    ensure!(
+        args.prefill_chunk >= 1,
+        "--prefill-chunk must be at least 1"
+    );
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
-    let registry = CacheRegistry::builtin();
-    let methods = args
-        .methods
+    Ok(())
+}
+
+/// Every ctx plus the generated tokens must fit the model's context length `ctx`.
+fn check_context(args: &BenchArgs, ctx: usize) -> anyhow::Result<()> {
+    let g = args.gen_tokens;
+    for &n in &args.prompt_tokens {
+        ensure!(
+            n + g <= ctx,
+            "--ctx {n} + --gen-tokens {g} exceed the model's context length {ctx}: the deepest \
+             ctx that leaves room for {g} generated tokens is {}",
+            ctx.saturating_sub(g)
+        );
+    }
+    Ok(())
+}
+
+/// `--methods` through the model's registry (built-in methods, VecInfer calibrated for the
+/// model, and the presets).
+fn resolve_methods(args: &BenchArgs, path: &Path) -> anyhow::Result<Vec<ResolvedCache>> {
+    let mut registry = kvq_server::calibration::registry_for(path);
+    super::presets::load(&mut registry, args.cache_presets.as_deref())?;
+    args.methods
         .iter()
         .map(|m| {
             registry
@@ -179,24 +268,28 @@ async fn measure_all(args: &BenchArgs) -> anyhow::Result<Vec<BenchRow>> {
                 })
                 .with_context(|| format!("--methods {m}"))
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let path = resolve_model_path(args.model.clone())?;
+        .collect()
+}
+
+/// Measures every (method, ctx) pair in this process, methods outermost.
+async fn measure_all(
+    args: &BenchArgs,
+    path: PathBuf,
+    methods: Vec<ResolvedCache>,
+) -> anyhow::Result<Vec<BenchRow>> {
     let loaded = load_with_progress(path).await?;
-    let ctx = loaded.model.config().context_length;
-    for &n in &args.prompt_tokens {
-        ensure!(
-            n + args.gen_tokens <= ctx,
-            "{n} prompt + {} generated tokens exceed the context length {ctx}",
-            args.gen_tokens
-        );
-    }
+    let rss_loaded = memory::rss_bytes();
+    check_context(args, loaded.model.config().context_length)?;
     let model_id = loaded.info.id.clone();
     let plan = Plan {
         prompt_tokens: args.prompt_tokens.clone(),
         gen_tokens: args.gen_tokens,
+        prefill_chunk: args.prefill_chunk,
         repeats: args.repeats,
         warmup: !args.no_warmup,
         seed: args.seed,
+        isolated: methods.len() * args.prompt_tokens.len() == 1,
+        rss_loaded,
     };
     tokio::task::spawn_blocking(move || {
         let mut rows = Vec::new();
@@ -204,8 +297,14 @@ async fn measure_all(args: &BenchArgs) -> anyhow::Result<Vec<BenchRow>> {
             for &n in &plan.prompt_tokens {
                 let row = measure(&loaded.model, &model_id, m, n, &plan)?;
                 eprintln!(
-                    "{} n={n}: pp {:.1} tok/s, tg {:.1} tok/s",
-                    m.name, row.pp_tps.median, row.tg_tps.median
+                    "{} ctx={n}: pp {:.1} tok/s, tg {:.1} tok/s, KV {:.2} MiB, peak RSS {}",
+                    m.name,
+                    row.pp_tps.median,
+                    row.tg_tps.median,
+                    memory::mib(row.kv_resident_bytes as f64),
+                    row.peak_rss_bytes.map_or("-".into(), |b| {
+                        format!("{:.1} MiB", memory::mib(b as f64))
+                    }),
                 );
                 rows.push(row);
             }
@@ -219,31 +318,40 @@ async fn measure_all(args: &BenchArgs) -> anyhow::Result<Vec<BenchRow>> {
 struct Plan {
     prompt_tokens: Vec<usize>,
     gen_tokens: usize,
+    prefill_chunk: usize,
     repeats: usize,
     warmup: bool,
     seed: u64,
+    /// One pair in this process: its RSS numbers are its own.
+    isolated: bool,
+    rss_loaded: Option<u64>,
 }
 
-/// Times of one prefill of `n` random tokens and `g` greedy decode steps on fresh caches.
+/// Times of one chunked prefill of `n` random tokens and `g` greedy decode steps on fresh caches,
+/// and those caches.
 struct Run {
     prefill_s: f64,
     decode_s: f64,
-    kv_bytes: usize,
+    caches: LayerCaches,
 }
 
 fn run_once(
     model: &Model,
-    cache: &kvq_cache::ResolvedCache,
+    cache: &ResolvedCache,
     prompt: &[u32],
+    chunk: usize,
     g: usize,
 ) -> anyhow::Result<Run> {
     let mut caches = model.new_caches(cache.factory.as_ref())?;
     let t0 = Instant::now();
-    let logits = model.forward(&mut [SeqStep {
-        tokens: prompt,
-        cache: &mut caches,
-        all_logits: false,
-    }])?;
+    let mut logits = Vec::new();
+    for piece in prompt.chunks(chunk.max(1)) {
+        logits = model.forward(&mut [SeqStep {
+            tokens: piece,
+            cache: &mut caches,
+            all_logits: false,
+        }])?;
+    }
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut next = greedy(&logits)?;
     let t1 = Instant::now();
@@ -259,7 +367,7 @@ fn run_once(
     Ok(Run {
         prefill_s,
         decode_s,
-        kv_bytes: caches.resident_bytes(),
+        caches,
     })
 }
 
@@ -282,25 +390,52 @@ fn greedy(logits: &[candle_core::Tensor]) -> anyhow::Result<u32> {
 fn measure(
     model: &Model,
     model_id: &str,
-    cache: &kvq_cache::ResolvedCache,
+    cache: &ResolvedCache,
     n: usize,
     plan: &Plan,
 ) -> anyhow::Result<BenchRow> {
+    let started = Instant::now();
     let vocab = model.config().vocab_size as u32;
     let mut rng = StdRng::seed_from_u64(plan.seed ^ (n as u64).rotate_left(32));
     let prompt: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
     if plan.warmup {
-        run_once(model, cache, &prompt, plan.gen_tokens.min(4))?;
+        // One chunk warms every kernel of prefill and decode without doubling the cost of long
+        // contexts; its caches are dropped at once.
+        let head = &prompt[..n.min(plan.prefill_chunk)];
+        run_once(
+            model,
+            cache,
+            head,
+            plan.prefill_chunk,
+            plan.gen_tokens.min(4),
+        )?;
     }
     let mut pp = Vec::with_capacity(plan.repeats);
     let mut tg = Vec::with_capacity(plan.repeats);
-    let mut kv_bytes = 0;
-    for _ in 0..plan.repeats {
-        let r = run_once(model, cache, &prompt, plan.gen_tokens)?;
+    let mut last: Option<Run> = None;
+    for i in 0..plan.repeats {
+        // The previous run's caches go first, so two never coexist (peak RSS).
+        drop(last.take());
+        let r = run_once(model, cache, &prompt, plan.prefill_chunk, plan.gen_tokens)?;
+        if n >= 2048 {
+            eprintln!(
+                "  {} ctx={n} run {}/{}: prefill {:.1} s, decode of {} tokens {:.1} s",
+                cache.name,
+                i + 1,
+                plan.repeats,
+                r.prefill_s,
+                plan.gen_tokens,
+                r.decode_s
+            );
+        }
         pp.push(n as f64 / r.prefill_s);
         tg.push(plan.gen_tokens as f64 / r.decode_s);
-        kv_bytes = r.kv_bytes;
+        last = Some(r);
     }
+    let last = last.context("no timed run")?;
+    // Read while the last run's caches are still alive.
+    let rss_end_bytes = memory::rss_bytes();
+    let peak_rss_bytes = memory::peak_rss_bytes();
     Ok(BenchRow {
         engine: "kvq".into(),
         model: model_id.into(),
@@ -309,209 +444,36 @@ fn measure(
         prompt_tokens: n,
         gen_tokens: plan.gen_tokens,
         threads: candle_core::utils::get_num_threads(),
+        prefill_chunk: plan.prefill_chunk,
         pp_tps: Stats::new(pp).context("no prefill timing")?,
         tg_tps: Stats::new(tg).context("no decode timing")?,
-        kv_resident_bytes: kv_bytes,
-        peak_rss_bytes: peak_rss_bytes(),
+        tg_vs_fp16: None,
+        kv_resident_bytes: last.caches.resident_bytes(),
+        kv_tokens: last.caches.len(),
+        kv_bytes_per_token: 0.0,
+        kv_vs_fp16: None,
+        rss_loaded_bytes: plan.rss_loaded,
+        rss_end_bytes,
+        peak_rss_bytes,
+        isolated: plan.isolated,
+        measure_s: started.elapsed().as_secs_f64(),
+        child_wall_s: None,
         llama_cpp: None,
     })
 }
 
-/// VmHWM from /proc/self/status, in bytes (Linux only).
-fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line
-        .trim_start_matches("VmHWM:")
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
-}
-
-/// Pools the samples of rows with the same model, method and lengths from earlier runs.
-fn merge_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<BenchRow>> {
-    type Key = (String, String, usize, usize, usize);
-    let mut merged: BTreeMap<Key, BenchRow> = BTreeMap::new();
-    let mut order = Vec::new();
-    for path in paths {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("could not read {}", path.display()))?;
-        let rows: Vec<BenchRow> = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a `kvq bench --json` output", path.display()))?;
-        for row in rows {
-            let key = (
-                row.model.clone(),
-                row.method.clone(),
-                row.threads,
-                row.prompt_tokens,
-                row.gen_tokens,
-            );
-            match merged.get_mut(&key) {
-                Some(m) => {
-                    let pp = [m.pp_tps.samples.clone(), row.pp_tps.samples].concat();
-                    let tg = [m.tg_tps.samples.clone(), row.tg_tps.samples].concat();
-                    m.pp_tps = Stats::new(pp).context("no prefill samples")?;
-                    m.tg_tps = Stats::new(tg).context("no decode samples")?;
-                    m.kv_resident_bytes = m.kv_resident_bytes.max(row.kv_resident_bytes);
-                    m.peak_rss_bytes = m.peak_rss_bytes.max(row.peak_rss_bytes);
-                }
-                None => {
-                    order.push(key.clone());
-                    merged.insert(
-                        key,
-                        BenchRow {
-                            llama_cpp: None,
-                            ..row
-                        },
-                    );
-                }
-            }
-        }
-    }
-    if order.is_empty() {
-        bail!("--from-json: no rows in {} file(s)", paths.len());
-    }
-    Ok(order
-        .into_iter()
-        .filter_map(|k| merged.remove(&k))
-        .collect())
-}
-
-/// One test of `llama-bench -o json`; unknown fields are ignored.
-#[derive(Debug, Deserialize)]
-struct LlamaTest {
-    n_prompt: usize,
-    n_gen: usize,
-    #[serde(default)]
-    n_depth: usize,
-    samples_ts: Vec<f64>,
-    #[serde(default)]
-    build_commit: Option<String>,
-    n_threads: u64,
-}
-
-/// Every llama-bench test read, samples pooled per (threads, prompt, generated, depth).
-struct LlamaBench {
-    samples: BTreeMap<(u64, usize, usize, usize), Vec<f64>>,
-    build_commit: Option<String>,
-}
-
-impl LlamaBench {
-    fn read(paths: &[PathBuf]) -> anyhow::Result<LlamaBench> {
-        let mut out = LlamaBench {
-            samples: BTreeMap::new(),
-            build_commit: None,
-        };
-        for path in paths {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("could not read {}", path.display()))?;
-            let tests: Vec<LlamaTest> = serde_json::from_str(&text).with_context(|| {
-                format!("{} is not a `llama-bench -o json` output", path.display())
-            })?;
-            for t in tests {
-                out.samples
-                    .entry((t.n_threads, t.n_prompt, t.n_gen, t.n_depth))
-                    .or_default()
-                    .extend(t.samples_ts);
-                out.build_commit = out.build_commit.or(t.build_commit);
-            }
-        }
-        Ok(out)
-    }
-
-    fn stats(&self, key: (u64, usize, usize, usize)) -> Option<Stats> {
-        self.samples.get(&key).and_then(|s| Stats::new(s.clone()))
-    }
-
-    fn compare(&self, row: &BenchRow) -> LlamaCpp {
-        let (n, g, t) = (row.prompt_tokens, row.gen_tokens, row.threads as u64);
-        let pp = self.stats((t, n, 0, 0));
-        let tg0 = self.stats((t, 0, g, 0));
-        let (tg, depth) = match self.stats((t, 0, g, n)) {
-            Some(s) => (Some(s), n),
-            None => (tg0.clone(), 0),
-        };
-        let ratio = |kvq: &Stats, l: &Option<Stats>| l.as_ref().map(|l| kvq.median / l.median);
-        LlamaCpp {
-            pp_ratio: ratio(&row.pp_tps, &pp),
-            tg_ratio: ratio(&row.tg_tps, &tg),
-            pp_tps: pp,
-            tg_tps: tg,
-            tg_depth: depth,
-            tg_tps_depth0: tg0,
-            build_commit: self.build_commit.clone(),
-            n_threads: t,
-        }
-    }
-}
-
-fn fmt_stats(s: &Stats) -> String {
-    format!("{:.1} ({:.1}–{:.1})", s.median, s.min, s.max)
-}
-
-fn fmt_opt(s: &Option<Stats>) -> String {
-    s.as_ref().map_or_else(|| "-".into(), fmt_stats)
-}
-
-fn fmt_ratio(r: Option<f64>) -> String {
-    r.map_or_else(|| "-".into(), |r| format!("{r:.2}×"))
-}
-
-fn fmt_mib(b: u64) -> String {
-    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
-}
-
-/// The rows as a Markdown-compatible table; llama.cpp columns when compared.
-fn render_table(rows: &[BenchRow]) -> String {
-    let compared = rows.iter().any(|r| r.llama_cpp.is_some());
-    let mut header = vec!["method", "threads", "prompt", "gen", "kvq pp tok/s"];
-    if compared {
-        header.extend(["llama.cpp pp tok/s", "pp ratio"]);
-    }
-    header.push("kvq tg tok/s");
-    if compared {
-        header.extend(["llama.cpp tg tok/s", "tg ratio"]);
-    }
-    header.extend(["KV bytes", "peak RSS"]);
-    let mut table = Table::new();
-    table.load_style(ASCII_MARKDOWN).set_header(header);
-    for r in rows {
-        let mut cells = vec![
-            Cell::new(&r.method),
-            Cell::new(r.threads),
-            Cell::new(r.prompt_tokens),
-            Cell::new(r.gen_tokens),
-            Cell::new(fmt_stats(&r.pp_tps)),
-        ];
-        let l = r.llama_cpp.as_ref();
-        if compared {
-            cells.push(Cell::new(l.map_or("-".into(), |l| fmt_opt(&l.pp_tps))));
-            cells.push(Cell::new(fmt_ratio(l.and_then(|l| l.pp_ratio))));
-        }
-        cells.push(Cell::new(fmt_stats(&r.tg_tps)));
-        if compared {
-            cells.push(Cell::new(l.map_or("-".into(), |l| {
-                format!("{} @ d{}", fmt_opt(&l.tg_tps), l.tg_depth)
-            })));
-            cells.push(Cell::new(fmt_ratio(l.and_then(|l| l.tg_ratio))));
-        }
-        cells.push(Cell::new(r.kv_resident_bytes));
-        cells.push(Cell::new(r.peak_rss_bytes.map_or("-".into(), fmt_mib)));
-        table.add_row(cells);
-    }
-    for i in 1..table.column_count() {
-        if let Some(c) = table.column_mut(i) {
-            c.set_cell_alignment(CellAlignment::Right);
-        }
-    }
-    table.to_string()
-}
-
-/// The PNG chart: prompt and decode tokens/s side by side, one bar per engine and method, grouped
-/// by prompt length.
-mod plot;
+/// `--isolate`: one child process per (method, ctx), rows merged.
+mod isolate;
+/// `--compare-llama-bench`: llama.cpp's numbers beside each row.
+mod llama;
+/// VmRSS and VmHWM of this process.
+mod memory;
+/// The PNG charts: tokens/s (prompt and decode) and memory (KV cache and peak RSS), one bar per
+/// engine and method, grouped by ctx (its font helpers are shared with `kvq eval`).
+pub(super) mod plot;
+/// `--from-json` merging and the fields derived across rows (ratios to fp16).
+mod rows;
+/// The summary line and the table.
+mod table;
 #[cfg(test)]
 mod tests;

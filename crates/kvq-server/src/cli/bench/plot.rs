@@ -1,7 +1,10 @@
-//! The PNG bar charts of `kvq bench` (plotters, with a TrueType font found on the system).
+//! The PNG bar charts of `kvq bench` (plotters, with a TrueType font found on the system): speed
+//! (prompt and decode tokens/s) and memory (KV cache MiB and peak RSS MiB), each two panels of
+//! bars grouped by ctx, one series per engine and method.
 
-use super::{BenchRow, Stats};
+use super::{BenchRow, Stats, memory::mib};
 use anyhow::{Context, bail};
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -28,24 +31,40 @@ pub fn find_font(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// One bar series: a label, a color and its value per prompt length.
+/// Registers `font` as plotters' "sans-serif" (shared with `kvq eval --plot`).
+pub fn register_font(font: &Path) -> anyhow::Result<()> {
+    let bytes = std::fs::read(font)
+        .with_context(|| format!("could not read the font {}", font.display()))?;
+    // plotters keeps registered fonts for the life of the process.
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_err() {
+        bail!("{} is not a usable TrueType font", font.display());
+    }
+    Ok(())
+}
+
+/// One bar series: a label, a color and its value per ctx in each of the two panels.
 struct Series {
     label: String,
     color: RGBColor,
-    pp: Vec<Option<f64>>,
-    tg: Vec<Option<f64>>,
+    values: [Vec<Option<f64>>; 2],
 }
 
+/// The tab10 palette without the orange and red kept for llama.cpp.
 const COLORS: &[RGBColor] = &[
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 const LLAMA_COLORS: &[RGBColor] = &[RGBColor(255, 127, 14), RGBColor(214, 39, 40)];
 
-fn series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
-    // One kvq series per (method, threads), then one llama.cpp series per thread count.
+/// (method, threads) of the kvq rows in order of first appearance, and the distinct thread counts.
+fn keys(rows: &[BenchRow]) -> (Vec<(&str, usize)>, Vec<usize>) {
     let mut keys: Vec<(&str, usize)> = Vec::new();
     for r in rows {
         if !keys.contains(&(r.method.as_str(), r.threads)) {
@@ -55,33 +74,52 @@ fn series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
     let mut threads: Vec<usize> = keys.iter().map(|k| k.1).collect();
     threads.sort_unstable();
     threads.dedup();
-    let label = |name: String, t: usize| {
-        if threads.len() > 1 {
-            format!("{name}, {t} thread{}", if t == 1 { "" } else { "s" })
-        } else {
-            name
-        }
-    };
+    (keys, threads)
+}
+
+fn label(name: String, t: usize, threads: &[usize]) -> String {
+    if threads.len() > 1 {
+        format!("{name}, {t} thread{}", if t == 1 { "" } else { "s" })
+    } else {
+        name
+    }
+}
+
+/// One kvq series per (method, threads) with `f`'s two values of a row per ctx.
+fn kvq_series(
+    rows: &[BenchRow],
+    lengths: &[usize],
+    f: &dyn Fn(&BenchRow) -> [Option<f64>; 2],
+) -> Vec<Series> {
+    let (keys, threads) = keys(rows);
     let pick = |(method, t): (&str, usize), n: usize| {
         rows.iter()
             .find(|r| r.method == method && r.threads == t && r.prompt_tokens == n)
     };
-    let mut out: Vec<Series> = keys
-        .iter()
+    keys.iter()
         .enumerate()
-        .map(|(i, &k)| Series {
-            label: label(format!("kvq {}", k.0), k.1),
-            color: COLORS[i % COLORS.len()],
-            pp: lengths
-                .iter()
-                .map(|&n| pick(k, n).map(|r| r.pp_tps.median))
-                .collect(),
-            tg: lengths
-                .iter()
-                .map(|&n| pick(k, n).map(|r| r.tg_tps.median))
-                .collect(),
+        .map(|(i, &k)| {
+            let at = |p: usize| {
+                lengths
+                    .iter()
+                    .map(|&n| pick(k, n).and_then(|r| f(r)[p]))
+                    .collect()
+            };
+            Series {
+                label: label(format!("kvq {}", k.0), k.1, &threads),
+                color: COLORS[i % COLORS.len()],
+                values: [at(0), at(1)],
+            }
         })
-        .collect();
+        .collect()
+}
+
+fn speed_series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
+    let mut out = kvq_series(rows, lengths, &|r| {
+        [Some(r.pp_tps.median), Some(r.tg_tps.median)]
+    });
+    // Then one llama.cpp series per thread count.
+    let (_, threads) = keys(rows);
     let med = |s: &Option<Stats>| s.as_ref().map(|s| s.median);
     for (i, &t) in threads.iter().enumerate() {
         let llama = |n: usize, f: &dyn Fn(&super::LlamaCpp) -> Option<f64>| {
@@ -99,120 +137,203 @@ fn series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
             .collect();
         if pp.iter().chain(&tg).any(Option::is_some) {
             out.push(Series {
-                label: label("llama.cpp".into(), t),
+                label: label("llama.cpp".into(), t, &threads),
                 color: LLAMA_COLORS[i % LLAMA_COLORS.len()],
-                pp,
-                tg,
+                values: [pp, tg],
             });
         }
     }
     out
 }
 
-pub fn draw(rows: &[BenchRow], path: &Path, font: &Path) -> anyhow::Result<()> {
-    let bytes = std::fs::read(font)
-        .with_context(|| format!("could not read the font {}", font.display()))?;
-    // plotters keeps registered fonts for the life of the process.
-    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_err() {
-        bail!("{} is not a usable TrueType font", font.display());
-    }
+/// The distinct ctx values, ascending.
+fn lengths(rows: &[BenchRow]) -> Vec<usize> {
     let mut lengths: Vec<usize> = rows.iter().map(|r| r.prompt_tokens).collect();
     lengths.sort_unstable();
     lengths.dedup();
-    let series = series(rows, &lengths);
+    lengths
+}
+
+/// The speed chart (the font must be registered: `register_font`).
+pub fn draw(rows: &[BenchRow], path: &Path) -> anyhow::Result<()> {
+    let lengths = lengths(rows);
+    let gen_tokens = rows.first().map_or(0, |r| r.gen_tokens);
+    let model = rows.first().map_or("", |r| r.model.as_str());
+    chart(
+        path,
+        &format!("{model}: tokens/s (median), higher is better"),
+        &lengths,
+        &speed_series(rows, &lengths),
+        [
+            ("prompt processing (prefill)".into(), "tokens/s"),
+            (
+                format!("decode, {gen_tokens} tokens after the prompt"),
+                "tokens/s",
+            ),
+        ],
+    )
+}
+
+/// The memory chart: KV cache MiB and peak RSS MiB per method (the font must be registered).
+pub fn draw_memory(rows: &[BenchRow], path: &Path) -> anyhow::Result<()> {
+    let lengths = lengths(rows);
     let model = rows.first().map_or("", |r| r.model.as_str());
     let gen_tokens = rows.first().map_or(0, |r| r.gen_tokens);
+    let rows: Vec<BenchRow> = rows.iter().filter(|r| r.engine == "kvq").cloned().collect();
+    let series = kvq_series(&rows, &lengths, &|r| {
+        [
+            Some(mib(r.kv_resident_bytes as f64)),
+            r.peak_rss_bytes.map(|b| mib(b as f64)),
+        ]
+    });
+    let peak = if rows.iter().all(|r| r.isolated) {
+        "peak RSS of the process (model + cache)"
+    } else {
+        "peak RSS, one process for all rows (cumulative)"
+    };
+    chart(
+        path,
+        &format!("{model}: memory, MiB, lower is better"),
+        &lengths,
+        &series,
+        [
+            (
+                format!("KV cache resident after ctx + {gen_tokens} tokens"),
+                "MiB",
+            ),
+            (peak.into(), "MiB"),
+        ],
+    )
+}
 
-    let root = BitMapBackend::new(path, (1200, 560)).into_drawing_area();
+/// The legend's entries as (x, line) positions, wrapped at `width`.
+fn legend_layout(series: &[Series], width: i32) -> Vec<(i32, i32)> {
+    let (mut x, mut line) = (20, 0);
+    series
+        .iter()
+        .map(|s| {
+            let w = 40 + 9 * s.label.chars().count() as i32;
+            if x > 20 && x + w > width - 20 {
+                (x, line) = (20, line + 1);
+            }
+            let at = (x, line);
+            x += w;
+            at
+        })
+        .collect()
+}
+
+/// Two panels side by side under a title and a legend; wide enough that every bar keeps room
+/// for its value label.
+fn chart(
+    path: &Path,
+    title: &str,
+    lengths: &[usize],
+    series: &[Series],
+    panels: [(String, &str); 2],
+) -> anyhow::Result<()> {
+    let bars = (lengths.len() * series.len().max(1)) as u32;
+    let width = 1200.max(2 * (bars * 40 * 4 / 3 + 100));
+    let legend = legend_layout(series, width as i32);
+    let lines = legend.iter().map(|p| p.1).max().unwrap_or(0) + 1;
+    let head = 40 + 22 * lines as u32;
+    let root = BitMapBackend::new(path, (width, head + 500)).into_drawing_area();
     root.fill(&WHITE)?;
-    let (title, body) = root.split_vertically(60);
-    title.draw_text(
-        &format!("{model}: tokens/s (median), higher is better"),
+    let (top, body) = root.split_vertically(head);
+    top.draw_text(
+        title,
         &("sans-serif", 24).into_font().color(&BLACK),
         (20, 12),
     )?;
-    // Legend, on the title strip.
-    let mut x = 20;
-    for s in &series {
-        title.draw(&Rectangle::new([(x, 42), (x + 14, 56)], s.color.filled()))?;
-        title.draw_text(
+    for (s, &(x, line)) in series.iter().zip(&legend) {
+        let y = 42 + 22 * line;
+        top.draw(&Rectangle::new(
+            [(x, y), (x + 14, y + 14)],
+            s.color.filled(),
+        ))?;
+        top.draw_text(
             &s.label,
             &("sans-serif", 16).into_font().color(&BLACK),
-            (x + 20, 40),
+            (x + 20, y - 2),
         )?;
-        x += 40 + 9 * s.label.len() as i32;
     }
-    let panels = body.split_evenly((1, 2));
-    let captions = [
-        "prompt processing (prefill)".to_string(),
-        format!("decode, {gen_tokens} tokens after the prompt"),
-    ];
-    for (i, (panel, caption)) in panels.iter().zip(&captions).enumerate() {
-        let values: Vec<Vec<Option<f64>>> = series
-            .iter()
-            .map(|s| if i == 0 { s.pp.clone() } else { s.tg.clone() })
-            .collect();
-        panel_chart(&root, panel, caption, &lengths, &series, &values)?;
+    let areas = body.split_evenly((1, 2));
+    for (i, (area, (caption, y_desc))) in areas.iter().zip(&panels).enumerate() {
+        let values: Vec<&[Option<f64>]> = series.iter().map(|s| &s.values[i][..]).collect();
+        panel_chart(&root, area, caption, y_desc, lengths, series, &values)?;
     }
     root.present()?;
     Ok(())
 }
 
+/// A bar's value label: no decimals from 100, one below, two below 1.
+fn value_label(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
 fn panel_chart(
-    root: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
-    panel: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    root: &DrawingArea<BitMapBackend<'_>, Shift>,
+    panel: &DrawingArea<BitMapBackend<'_>, Shift>,
     caption: &str,
+    y_desc: &str,
     lengths: &[usize],
     series: &[Series],
-    values: &[Vec<Option<f64>>],
+    values: &[&[Option<f64>]],
 ) -> anyhow::Result<()> {
     let top = values
         .iter()
-        .flatten()
+        .flat_map(|v| v.iter())
         .flatten()
         .fold(1.0f64, |a, &b| a.max(b));
+    // A plain x range, one unit per ctx group: the ctx labels are drawn under each group's
+    // center by hand (a segmented range of one group has no width).
     let groups = lengths.len() as i32;
     let mut chart = ChartBuilder::on(panel)
         .caption(caption, ("sans-serif", 20))
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d((0..groups - 1).into_segmented(), 0.0..top * 1.15)?;
+        .build_cartesian_2d(0.0..f64::from(groups.max(1)), 0.0..top * 1.15)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
         .light_line_style(WHITE)
-        .x_labels(lengths.len())
-        .x_desc("prompt tokens")
-        .y_desc("tokens/s")
-        .x_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => lengths
-                .get(*i as usize)
-                .map_or_else(String::new, |n| n.to_string()),
-            SegmentValue::Last => String::new(),
-        })
+        .x_labels(0)
+        .x_desc("ctx (prompt tokens)")
+        .y_desc(y_desc)
         .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 15))
         .draw()?;
+    let axis = ("sans-serif", 15).into_font().color(&BLACK);
+    for (g, n) in lengths.iter().enumerate() {
+        let (cx, base) = chart.backend_coord(&(g as f64 + 0.5, 0.0));
+        let text = n.to_string();
+        root.draw_text(&text, &axis, (cx - 4 * text.len() as i32, base + 6))?;
+    }
     let k = series.len().max(1) as i32;
     for g in 0..groups {
-        let (x0, base) = chart.backend_coord(&(SegmentValue::Exact(g), 0.0));
-        let (x1, _) = chart.backend_coord(&(SegmentValue::Exact(g + 1), 0.0));
+        let (x0, base) = chart.backend_coord(&(f64::from(g), 0.0));
+        let (x1, _) = chart.backend_coord(&(f64::from(g + 1), 0.0));
         let pad = (x1 - x0) / 8;
         let w = ((x1 - x0) - 2 * pad) / k;
         for (si, s) in series.iter().enumerate() {
             let Some(v) = values[si].get(g as usize).copied().flatten() else {
                 continue;
             };
-            let (_, y) = chart.backend_coord(&(SegmentValue::Exact(g), v));
+            let (_, y) = chart.backend_coord(&(f64::from(g), v));
             let bx = x0 + pad + si as i32 * w;
             root.draw(&Rectangle::new(
                 [(bx + 2, y), (bx + w - 2, base)],
                 s.color.filled(),
             ))?;
-            let label = format!("{v:.0}");
+            let label = value_label(v);
             let tx = bx + w / 2 - 4 * label.len() as i32;
             root.draw_text(
                 &label,

@@ -1,0 +1,33 @@
+//! The process's resident memory from /proc/self/status (Linux only; elsewhere `None`):
+//! VmRSS (resident now) and VmHWM (the peak resident set since the process started).
+
+/// Resident set size now, bytes.
+pub(super) fn rss_bytes() -> Option<u64> {
+    status_kib("VmRSS:").map(|kb| kb * 1024)
+}
+
+/// Peak resident set size of this process so far, bytes.
+pub(super) fn peak_rss_bytes() -> Option<u64> {
+    status_kib("VmHWM:").map(|kb| kb * 1024)
+}
+
+fn status_kib(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_kib(&status, key)
+}
+
+/// The value of `key` (e.g. `VmHWM:`) in a /proc status text, in kB as the kernel writes it.
+pub(super) fn parse_kib(status: &str, key: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Bytes as MiB.
+pub(super) fn mib(bytes: f64) -> f64 {
+    bytes / (1024.0 * 1024.0)
+}

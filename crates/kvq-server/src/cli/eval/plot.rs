@@ -1,0 +1,113 @@
+//! The PNG of `kvq eval --plot`: perplexity delta vs fp16 (y) against KV cache bits per element
+//! (x), one labelled point per method, with llama.cpp's q4_0 cache as a reference line.
+
+use super::EvalRow;
+use crate::cli::bench::plot::register_font;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use std::path::Path;
+
+/// llama.cpp's q4_0 KV cache on SmolLM2-135M, measured here (DESIGN.md "Bars"): +15.6% PPL at
+/// 4.5 bits per element.
+const Q4_0_DELTA_PCT: f64 = 15.6;
+const Q4_0_BITS: f64 = 4.5;
+
+const POINT: RGBColor = RGBColor(31, 119, 180);
+const BASE: RGBColor = RGBColor(90, 90, 90);
+const REFERENCE: RGBColor = RGBColor(214, 39, 40);
+
+/// Bits per element over keys and values together (their mean).
+pub fn total_bits(row: &EvalRow) -> f64 {
+    (row.key_bits + row.value_bits) / 2.0
+}
+
+/// Approximate width in pixels of `text` at `size` px.
+fn text_width(text: &str, size: u32) -> i32 {
+    (text.chars().count() as f64 * f64::from(size) * 0.55) as i32
+}
+
+pub fn draw(rows: &[EvalRow], path: &Path, font: &Path, title: &str) -> anyhow::Result<()> {
+    register_font(font)?;
+    let xs: Vec<f64> = rows.iter().map(total_bits).collect();
+    let ys: Vec<f64> = rows.iter().map(|r| r.delta_pct).collect();
+    let finite = |v: &[f64]| {
+        v.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .collect::<Vec<_>>()
+    };
+    let x_max = finite(&xs).into_iter().fold(Q4_0_BITS, f64::max).max(1.0) * 1.08;
+    let y_lo = finite(&ys).into_iter().fold(0.0, f64::min);
+    let y_hi = finite(&ys).into_iter().fold(Q4_0_DELTA_PCT, f64::max);
+    let pad = (y_hi - y_lo).max(1.0) * 0.1;
+    let (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
+
+    let root = BitMapBackend::new(path, (1100, 650)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 24))
+        .margin(24)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..x_max, y_lo..y_hi)?;
+    chart
+        .configure_mesh()
+        .x_desc("KV cache bits per element (keys and values; codes, norms, window included)")
+        .y_desc("perplexity vs fp16 cache (%), lower is better")
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| format!("{v:+.0}%"))
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 16))
+        .light_line_style(WHITE)
+        .draw()?;
+
+    // fp16 level and llama.cpp's q4_0 reference.
+    chart.draw_series(std::iter::once(PathElement::new(
+        vec![(0.0, 0.0), (x_max, 0.0)],
+        BASE.stroke_width(1),
+    )))?;
+    chart.draw_series(std::iter::once(DashedPathElement::new(
+        vec![(0.0, Q4_0_DELTA_PCT), (x_max, Q4_0_DELTA_PCT)],
+        10,
+        6,
+        REFERENCE.stroke_width(2),
+    )))?;
+    let reference = format!("llama.cpp q4_0 cache: {Q4_0_DELTA_PCT:+.1}% at {Q4_0_BITS} bits/elem");
+    chart.draw_series(std::iter::once(
+        EmptyElement::at((0.0, Q4_0_DELTA_PCT))
+            + Text::new(
+                reference,
+                (8, -22),
+                ("sans-serif", 15).into_font().color(&REFERENCE),
+            ),
+    ))?;
+    chart.draw_series(std::iter::once(
+        EmptyElement::at((Q4_0_BITS, Q4_0_DELTA_PCT))
+            + Cross::new((0, 0), 7, REFERENCE.stroke_width(2)),
+    ))?;
+
+    // One labelled point per method; labels go left of points in the right part of the plot.
+    for (row, (&x, &y)) in rows.iter().zip(xs.iter().zip(&ys)) {
+        if !(x.is_finite() && y.is_finite()) {
+            continue;
+        }
+        let label = format!("{} ({:.2} b, {:+.2}%)", row.method, x, y);
+        let size = 15;
+        let dx = if x > x_max * 0.6 {
+            -12 - text_width(&label, size)
+        } else {
+            10
+        };
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((x, y))
+                + Circle::new((0, 0), 6, POINT.filled())
+                + Text::new(
+                    label,
+                    (dx, -20),
+                    ("sans-serif", size).into_font().color(&BLACK),
+                ),
+        ))?;
+    }
+    root.present()?;
+    Ok(())
+}
