@@ -77,3 +77,46 @@ fn generate_with_an_unknown_method_fails_cleanly() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn every_cache_method_and_preset_streams_through_the_openai_client() {
+    let presets = workspace_root().join("configs/cache");
+    let server = Server::start(&[
+        "--model",
+        default_gguf().to_str().expect("utf-8 path"),
+        "--cache-presets",
+        presets.to_str().expect("utf-8 path"),
+    ]);
+    let methods = [
+        "fp16",
+        "turboquant-mse",
+        "turboquant-prod",
+        "turboquant-rvq",
+        "qjl",
+        "vecinfer",
+        "turboquant-mse-4bit",
+        "turboquant-mse-3bit",
+        "turboquant-prod-3bit",
+        "turboquant-rvq-2bit",
+        "qjl-3bit",
+        "vecinfer-2bit",
+        "vecinfer-1bit",
+    ];
+    let out = Command::new("python3")
+        .arg(workspace_root().join("tests/clients/openai_methods.py"))
+        .arg(&server.base)
+        .args(methods)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains(" passed, 0 failed"),
+        "openai method checks failed:\n{stdout}\n{stderr}"
+    );
+    // Every check ran: one stream per method, the size comparison, the concurrent run.
+    assert!(
+        stdout.contains(&format!("{} passed, 0 failed", methods.len() + 2)),
+        "{stdout}"
+    );
+}

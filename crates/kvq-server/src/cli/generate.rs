@@ -31,6 +31,9 @@ pub struct GenerateArgs {
     /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Directory of cache presets [default: configs/cache when it exists].
+    #[arg(long)]
+    pub cache_presets: Option<PathBuf>,
     /// KV cache method or preset (default: the registry's default).
     #[arg(long)]
     pub kv_cache_method: Option<String>,
@@ -59,7 +62,8 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
 
     let path = resolve_model_path(args.model.clone())?;
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
-    let registry = registry_for(&path);
+    let mut registry = registry_for(&path);
+    super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     let spec = CacheSpec {
         method: args.kv_cache_method.clone(),
         bits: args.kv_cache_bits,

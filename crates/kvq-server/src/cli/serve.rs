@@ -40,6 +40,10 @@ pub struct ServeArgs {
     /// KV cache method for requests that name none [default: fp16].
     #[arg(long)]
     pub default_kv_cache_method: Option<String>,
+    /// Directory of cache presets (`<name>.toml`, see configs/cache/) [default: configs/cache
+    /// when it exists].
+    #[arg(long)]
+    pub cache_presets: Option<PathBuf>,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -54,6 +58,7 @@ struct FileConfig {
     max_body_bytes: Option<usize>,
     max_n: Option<usize>,
     default_kv_cache_method: Option<String>,
+    cache_presets: Option<PathBuf>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -66,6 +71,7 @@ struct Settings {
     max_body_bytes: usize,
     max_n: usize,
     default_method: Option<String>,
+    cache_presets: Option<PathBuf>,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -102,6 +108,7 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
         default_method: args
             .default_kv_cache_method
             .or(file.default_kv_cache_method),
+        cache_presets: args.cache_presets.or(file.cache_presets),
     })
 }
 
@@ -119,6 +126,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = Engine::start(model, config);
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
     let mut registry = registry_for(&path);
+    super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     if let Some(m) = &args.default_method {
         registry.set_default(m)?;
     }
@@ -160,6 +168,7 @@ mod tests {
             max_body_bytes: None,
             max_n: None,
             default_kv_cache_method: None,
+            cache_presets: None,
         }
     }
 
