@@ -15,30 +15,34 @@
 //! norm and 24 bits per outlier, rounded down to a multiple of 8:
 //! `m = floor8(2 * bits * d - d * (value_bits + 32 / group_size) - 16 - 24 * outliers)`.
 //!
-//! | bits | value_bits | group_size | keys, bits/elem | values, bits/elem | m at d = 64 | m at d = 128 |
-//! |------|------------|------------|-----------------|-------------------|-------------|--------------|
-//! | 2    | 2          | 64         | 1.5             | 2.5               | 80          | 176          |
-//! | 3    | 2          | 32         | 3               | 3                 | 176         | 368          |
-//! | 4    | 2          | 32         | 5               | 3                 | 304         | 624          |
+//! | bits | value_bits | group_size | outliers | keys, bits/elem | values, bits/elem | m, d = 64 | m, d = 128 |
+//! |------|------------|------------|----------|-----------------|-------------------|-----------|------------|
+//! | 2    | 2          | 64         | 0        | 1.5             | 2.5               | 80        | 176        |
+//! | 3    | 2          | 64         | 1        | 3.5             | 2.5               | 184       | 408        |
+//! | 4    | 2          | 64         | 4        | 5.5             | 2.5               | 240       | 592        |
 //!
-//! So the `qjl-3bit` preset at SmolLM2's d = 64 is: keys = 176 sign bits + fp16 norm = 24 bytes
-//! (3 bits per element), values = 2-bit codes in two groups of 32 with fp16 scale and minimum =
-//! 16 + 8 = 24 bytes (3 bits per element): 48 bytes per token and kv head, exactly 3.0 bits per
-//! element on average (against 256 bytes in fp16). At 4 bits the extra bit goes to the keys:
-//! the sketch's noise dominates the attention error, and on Gaussian data 2-bit values with a
-//! 5-bit sketch beat 4-bit values with a 3-bit sketch (0.66 vs 0.83 relative error, tests.rs).
-//! The 2-bit value codes search a trimmed range per group (values.rs), which cuts their RMS
-//! error by about a fifth against plain min-max.
+//! So the `qjl-3bit` preset at SmolLM2's d = 64 is: keys = 184 sign bits + fp16 norm + one exact
+//! outlier channel (u8 index + fp16 value) = 23 + 2 + 3 = 28 bytes (3.5 bits per element),
+//! values = 2-bit codes in one group of 64 with an fp16 scale and minimum = 16 + 4 = 20 bytes
+//! (2.5 bits per element): 48 bytes per token and kv head, exactly 3.0 bits per element on
+//! average (against 256 bytes in fp16).
 //!
-//! Outliers (`outliers = n` keeps each key's n largest channels exactly, 24 bits each, paid for
-//! with sketch bits at equal `bits`): on Gaussian keys they cost accuracy (3 bits, n = 4:
-//! attention error 0.86 -> 0.94), on keys with a few 8x channels they halve it (1.11 -> 0.59),
-//! so they are off by default and a preset may turn them on for models with outlier channels.
+//! The split was measured on SmolLM2-135M (perplexity of 8 chunks of 512 tokens of Paradise
+//! Lost, window 64; fp16 75.3): the sketch's noise dominates, so bits go to the keys: at 3 bits
+//! groups of 32 and no outliers give 229, groups of 64 190, plus one outlier 139 (two: 164); at
+//! 4 bits 4-bit values with a 3-bit sketch give 243, 2-bit values with groups of 64 and 4
+//! outliers 97; at 2 bits an outlier costs more than it saves (821 without, 1233 with). Real
+//! keys have outlier channels (keeping 4 of them exactly at m = 176 takes 247 to 113); on
+//! Gaussian keys outliers neither help nor hurt much (tests.rs). Even so QJL stays far from
+//! TurboQuant-MSE at equal bits (3 bits: 77.0): a 1-bit sketch's noise, sqrt(pi/2 * d/m) of
+//! |q| |k|, is large next to the logit differences that matter. The 2-bit value codes search a
+//! trimmed range per group (values.rs), which cuts their RMS error by about a fifth.
 //!
-//! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` (default 0) shape the
-//! split above; `sketch_dim` sets m directly and applies only when no `bits` is given (a
-//! preset that fixes m leaves `bits` out; a request's bits then re-derive m); `window` (64),
-//! `sinks` (0), `seed`.
+//! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` override the table's
+//! split (m then fills the rest of the budget; a split that leaves no room is an error);
+//! `sketch_dim` sets m directly and applies only when no `bits` reaches the builder (a preset
+//! without `bits`, or one whose `value_bits` makes the registry withhold them; the budget is then
+//! 3 bits unless `sketch_dim` is given); `window` (64), `sinks` (0), `seed`.
 
 pub mod keys;
 pub mod values;
@@ -90,15 +94,16 @@ pub struct QjlFactory {
 impl QjlFactory {
     /// The configuration for `bits` bits per element (see the table in the module doc).
     pub fn new(bits: u32) -> Self {
-        let (value_bits, group_size) = match bits {
-            0..=2 => (2, 64),
-            _ => (2, 32),
+        let outliers = match bits {
+            0..=2 => 0,
+            3 => 1,
+            _ => 4,
         };
         Self {
             sketch: SketchSize::Budget(bits),
-            value_bits,
-            group_size,
-            outliers: 0,
+            value_bits: 2,
+            group_size: 64,
+            outliers,
             window: 64,
             sinks: 0,
             seed: 0x51_4A4C,
