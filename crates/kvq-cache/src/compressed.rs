@@ -7,7 +7,7 @@
 //! and the compressed part of attention run as kvq-kernels custom ops on the code tensors.
 
 use crate::attention::dot;
-use crate::traits::{CacheGeometry, KvCache};
+use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use candle_core::{DType, Tensor};
 use half::f16;
@@ -18,6 +18,40 @@ use kvq_kernels::{
 use std::sync::Arc;
 
 pub use kvq_kernels::{KernelKind, KeyCodec, ValueCodec};
+
+/// A compressed method's factory: it names the key and value codecs of a layer and where the
+/// fp16 rows go; the cache around them is always [`CompressedCache`] (every such factory is a
+/// [`CacheFactory`]).
+pub trait CodecFactory: Send + Sync {
+    type Keys: KeyCodec + 'static;
+    type Values: ValueCodec + 'static;
+    /// The method name, e.g. `turboquant-mse`.
+    fn method(&self) -> &'static str;
+    /// The codecs of layer `layer` at geometry `geom`.
+    fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(Self::Keys, Self::Values)>;
+    /// Recent tokens kept in fp16.
+    fn window(&self) -> usize;
+    /// First tokens kept in fp16.
+    fn sinks(&self) -> usize;
+}
+
+impl<F: CodecFactory> CacheFactory for F {
+    fn method(&self) -> &str {
+        CodecFactory::method(self)
+    }
+
+    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
+        let (keys, values) = self.codecs(layer, geom)?;
+        Ok(Box::new(CompressedCache::new(
+            *geom,
+            CodecFactory::method(self),
+            Arc::new(keys),
+            Arc::new(values),
+            self.window(),
+            self.sinks(),
+        )))
+    }
+}
 
 /// Positions by which code rows grow (so `resident_bytes` stays close to the promised size).
 const GROW_TOKENS: usize = 256;

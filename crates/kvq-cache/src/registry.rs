@@ -37,12 +37,39 @@ impl std::fmt::Debug for ResolvedCache {
 
 /// What a method's builder receives.
 pub struct BuildArgs<'a> {
-    /// Bits per element the request (or preset) asked for; `None` means the method's default.
-    pub bits: Option<u8>,
+    /// Bits the request asked for (`x-kv-cache-bits`): they override everything a preset sets.
+    pub request_bits: Option<u8>,
+    /// The preset's `bits`, if a preset was named and sets them.
+    pub preset_bits: Option<u8>,
     /// Method parameters from a preset's `[params]` table (empty for a bare method name).
     pub params: &'a toml::Table,
     /// Where data-dependent methods get their calibration, if the server has one.
     pub calibration: Option<&'a Arc<dyn CalibrationSource>>,
+}
+
+impl BuildArgs<'_> {
+    /// The bits to build with: the request's, else the preset's; `None` means the method's
+    /// default.
+    pub fn bits(&self) -> Option<u8> {
+        self.request_bits.or(self.preset_bits)
+    }
+
+    /// The bits of one part (`key_bits` or `value_bits`): the request's bits, else the preset's
+    /// explicit part, else [`Self::bits`], else `default`.
+    pub fn part_bits(&self, key: &str, default: u32) -> Result<u32> {
+        if let Some(b) = self.request_bits {
+            return Ok(u32::from(b));
+        }
+        Ok(match param(self.params, key)? {
+            Some(b) => b,
+            None => self.preset_bits.map_or(default, u32::from),
+        })
+    }
+
+    /// An integer parameter of the preset, or `default`.
+    pub fn param_or<T: TryFrom<i64>>(&self, key: &str, default: T) -> Result<T> {
+        Ok(param(self.params, key)?.unwrap_or(default))
+    }
 }
 
 /// A method the registry can build: its name, the bits it accepts and its builder.
@@ -259,15 +286,11 @@ impl CacheRegistry {
                 valid: entry.bits.clone(),
             });
         }
-        // Request bits override everything; otherwise a preset's explicit per-part bits win over
-        // its `bits` (which only names the setting then).
-        let explicit = ["key_bits", "value_bits"]
-            .iter()
-            .any(|k| entry.params.contains_key(*k));
+        // Request bits override everything; otherwise a preset's explicit per-part bits
+        // (`key_bits`, `value_bits`) win over its `bits` (see `BuildArgs::part_bits`).
         let args = BuildArgs {
-            bits: spec
-                .bits
-                .or(if explicit { None } else { entry.preset_bits }),
+            request_bits: spec.bits,
+            preset_bits: entry.preset_bits,
             params: &entry.params,
             calibration: self.calibration.as_ref(),
         };

@@ -40,16 +40,15 @@
 //!
 //! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` override the table's
 //! split (m then fills the rest of the budget; a split that leaves no room is an error);
-//! `sketch_dim` sets m directly and applies only when no `bits` reaches the builder (a preset
-//! without `bits`, or one whose `value_bits` makes the registry withhold them; the budget is then
-//! 3 bits unless `sketch_dim` is given); `window` (64), `sinks` (0), `seed`.
+//! `sketch_dim` sets m directly unless the request sets bits (which then fill their budget);
+//! `window` (64), `sinks` (0), `seed`.
 
 pub mod keys;
 pub mod values;
 
-use crate::compressed::CompressedCache;
+use crate::compressed::CodecFactory;
 use crate::registry::{BuildArgs, MethodEntry, param};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::traits::CacheGeometry;
 use crate::{CacheError, Result};
 pub use keys::{OUTLIER_BYTES, QjlKeyCodec};
 use std::sync::Arc;
@@ -113,19 +112,19 @@ impl QjlFactory {
     /// Builds from a registry request: bits (or the default 3) and a preset's params.
     pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
         let p = a.params;
-        let base = Self::new(a.bits.map_or(3, u32::from));
-        let sketch = match (a.bits, param::<usize>(p, "sketch_dim")?) {
+        let base = Self::new(a.bits().map_or(3, u32::from));
+        let sketch = match (a.request_bits, param::<usize>(p, "sketch_dim")?) {
             (None, Some(m)) => SketchSize::Fixed(m),
             _ => base.sketch,
         };
         let f = Self {
             sketch,
-            value_bits: param(p, "value_bits")?.unwrap_or(base.value_bits),
-            group_size: param(p, "group_size")?.unwrap_or(base.group_size),
-            outliers: param(p, "outliers")?.unwrap_or(base.outliers),
-            window: param(p, "window")?.unwrap_or(base.window),
-            sinks: param(p, "sinks")?.unwrap_or(base.sinks),
-            seed: param(p, "seed")?.unwrap_or(base.seed),
+            value_bits: a.param_or("value_bits", base.value_bits)?,
+            group_size: a.param_or("group_size", base.group_size)?,
+            outliers: a.param_or("outliers", base.outliers)?,
+            window: a.param_or("window", base.window)?,
+            sinks: a.param_or("sinks", base.sinks)?,
+            seed: a.param_or("seed", base.seed)?,
         };
         f.validate()?;
         Ok(f)
@@ -191,32 +190,30 @@ impl QjlFactory {
             }
         }
     }
+}
 
-    /// The key and value codecs of one layer.
-    pub fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(QjlKeyCodec, GroupCodec)> {
+impl CodecFactory for QjlFactory {
+    type Keys = QjlKeyCodec;
+    type Values = GroupCodec;
+
+    fn method(&self) -> &'static str {
+        METHOD
+    }
+
+    fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(QjlKeyCodec, GroupCodec)> {
         let d = geom.head_dim;
         let m = self.sketch_dim_for(d)?;
         let keys = QjlKeyCodec::new(d, geom.n_kv_heads, m, self.outliers, layer, self.seed)?;
         let values = GroupCodec::new(d, self.value_bits, self.group_for(d))?;
         Ok((keys, values))
     }
-}
 
-impl CacheFactory for QjlFactory {
-    fn method(&self) -> &str {
-        METHOD
+    fn window(&self) -> usize {
+        self.window
     }
 
-    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        let (keys, values) = self.codecs(layer, geom)?;
-        Ok(Box::new(CompressedCache::new(
-            *geom,
-            METHOD,
-            Arc::new(keys),
-            Arc::new(values),
-            self.window,
-            self.sinks,
-        )))
+    fn sinks(&self) -> usize {
+        self.sinks
     }
 }
 

@@ -286,7 +286,8 @@ fn registry_params_shape_the_codecs() {
     params.insert("outliers".into(), toml::Value::Integer(0));
     fn args(bits: Option<u8>, params: &toml::Table) -> BuildArgs<'_> {
         BuildArgs {
-            bits,
+            request_bits: bits,
+            preset_bits: None,
             params,
             calibration: None,
         }

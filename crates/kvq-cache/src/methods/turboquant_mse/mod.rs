@@ -7,15 +7,14 @@
 
 use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
-use crate::compressed::{CompressedCache, KernelKind, KeyCodec, ValueCodec};
-use crate::registry::{MethodEntry, param};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
+use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
 use kernel::{Isa, Table};
 use rotated::Rotated;
-use std::sync::Arc;
 
+pub mod factory;
 pub mod kernel;
 pub(crate) mod rotated;
 #[cfg(test)]
@@ -157,87 +156,34 @@ impl ValueCodec for MseCodec {
     }
 }
 
+/// TurboQuant-MSE as [`factory::BitsFactory`] builds it: the MSE codec for keys and values.
+#[derive(Debug)]
+pub struct Mse;
+
+impl factory::BitsMethod for Mse {
+    const METHOD: &'static str = METHOD;
+    const VALID_BITS: &'static [u8] = &[2, 3, 4];
+    const DEFAULT_BITS: u8 = 4;
+    const SEED: u64 = 0x7u64 << 40 | 0x7451;
+    type Keys = MseCodec;
+    type Values = MseCodec;
+
+    fn keys(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<MseCodec> {
+        MseCodec::new(d, heads, bits, layer, seed)
+    }
+
+    fn values(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<MseCodec> {
+        MseCodec::new(d, heads, bits, layer, seed)
+    }
+}
+
+/// Builds TurboQuant-MSE caches (see [`factory::BitsFactory`]).
+pub type TurboQuantMseFactory = factory::BitsFactory<Mse>;
+
 /// The registry entry: bits 2, 3 or 4 (default 4); a preset may set `key_bits`, `value_bits`,
 /// `window`, `sinks` and `seed` in its `[params]`; request bits override both key and value bits.
 pub fn entry() -> MethodEntry {
-    MethodEntry {
-        name: METHOD,
-        bits: vec![2, 3, 4],
-        default_bits: 4,
-        build: |a| {
-            let base = TurboQuantMseFactory::new(a.bits.map_or(4, u32::from));
-            let pick = |key: &str, dflt: u32| -> Result<u32> {
-                Ok(match a.bits {
-                    Some(b) => u32::from(b),
-                    None => param(a.params, key)?.unwrap_or(dflt),
-                })
-            };
-            let f = TurboQuantMseFactory {
-                key_bits: pick("key_bits", base.key_bits)?,
-                value_bits: pick("value_bits", base.value_bits)?,
-                window: param(a.params, "window")?.unwrap_or(base.window),
-                sinks: param(a.params, "sinks")?.unwrap_or(base.sinks),
-                seed: param(a.params, "seed")?.unwrap_or(base.seed),
-            };
-            for b in [f.key_bits, f.value_bits] {
-                if !(1..=4).contains(&b) {
-                    return Err(CacheError::InvalidBits {
-                        method: METHOD.into(),
-                        bits: b as u8,
-                        valid: vec![2, 3, 4],
-                    });
-                }
-            }
-            Ok(Arc::new(f))
-        },
-    }
-}
-
-/// Builds TurboQuant-MSE caches.
-#[derive(Debug, Clone)]
-pub struct TurboQuantMseFactory {
-    /// Bits per coordinate for keys and for values.
-    pub key_bits: u32,
-    pub value_bits: u32,
-    /// Recent tokens kept in fp16.
-    pub window: usize,
-    /// First tokens kept in fp16.
-    pub sinks: usize,
-    /// Seed of the rotations.
-    pub seed: u64,
-}
-
-impl TurboQuantMseFactory {
-    /// `bits` for keys and values, the default window (64) and no sinks.
-    pub fn new(bits: u32) -> Self {
-        Self {
-            key_bits: bits,
-            value_bits: bits,
-            window: 64,
-            sinks: 0,
-            seed: 0x7u64 << 40 | 0x7451,
-        }
-    }
-}
-
-impl CacheFactory for TurboQuantMseFactory {
-    fn method(&self) -> &str {
-        METHOD
-    }
-
-    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        let (d, h) = (geom.head_dim, geom.n_kv_heads);
-        let keys = MseCodec::new(d, h, self.key_bits, layer, self.seed)?;
-        let values = MseCodec::new(d, h, self.value_bits, layer, self.seed ^ 0xA5A5)?;
-        Ok(Box::new(CompressedCache::new(
-            *geom,
-            METHOD,
-            Arc::new(keys),
-            Arc::new(values),
-            self.window,
-            self.sinks,
-        )))
-    }
+    TurboQuantMseFactory::entry()
 }
 
 #[cfg(test)]

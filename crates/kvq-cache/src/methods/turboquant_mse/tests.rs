@@ -8,6 +8,8 @@ use super::test_support::{
     resident_ratio, unit_distortion,
 };
 use super::*;
+use crate::traits::CacheFactory;
+use std::sync::Arc;
 
 #[test]
 fn distortion_is_within_the_paper_bound() {

@@ -12,13 +12,12 @@
 //! bits.
 
 use super::turboquant_mse::MseCodec;
+use super::turboquant_mse::factory::{BitsFactory, BitsMethod, invalid_bits};
+use crate::Result;
 use crate::codec::sketch::SignSketch;
-use crate::compressed::{CompressedCache, KernelKind, KeyCodec};
-use crate::registry::{MethodEntry, param};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
-use crate::{CacheError, Result};
+use crate::compressed::{KernelKind, KeyCodec};
+use crate::registry::MethodEntry;
 use half::f16;
-use std::sync::Arc;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-prod";
@@ -34,7 +33,7 @@ impl ProdKeyCodec {
     /// `key_bits` in 2..=5 (the MSE stage gets `key_bits - 1`), seeded by (`seed`, layer, head).
     pub fn new(d: usize, heads: usize, key_bits: u32, layer: usize, seed: u64) -> Result<Self> {
         if !(2..=5).contains(&key_bits) {
-            return Err(invalid_bits(key_bits));
+            return Err(invalid_bits::<Prod>(key_bits));
         }
         let mse = MseCodec::new(d, heads, key_bits - 1, layer, seed)?;
         let m = d.div_ceil(8) * 8;
@@ -56,14 +55,6 @@ impl ProdKeyCodec {
     }
 }
 
-fn invalid_bits(bits: u32) -> CacheError {
-    CacheError::InvalidBits {
-        method: METHOD.into(),
-        bits: bits.min(255) as u8,
-        valid: vec![2, 3, 4],
-    }
-}
-
 impl KeyCodec for ProdKeyCodec {
     fn head_dim(&self) -> usize {
         self.d
@@ -75,7 +66,7 @@ impl KeyCodec for ProdKeyCodec {
 
     fn encode(&self, head: usize, k: &[f32], out: &mut [u8]) {
         let mb = self.mse_bytes();
-        self.mse.encode(head, k, &mut out[..mb]);
+        KeyCodec::encode(&self.mse, head, k, &mut out[..mb]);
         let mut r = vec![0f32; self.d];
         KeyCodec::decode(&self.mse, head, &out[..mb], &mut r);
         r.iter_mut().zip(k).for_each(|(r, k)| *r = k - *r);
@@ -117,90 +108,45 @@ impl KeyCodec for ProdKeyCodec {
     }
 }
 
-/// Builds TurboQuant-Prod caches.
-#[derive(Debug, Clone)]
-pub struct TurboQuantProdFactory {
-    /// Key bits per coordinate: `key_bits - 1` MSE bits plus the 1-bit residual sketch.
-    pub key_bits: u32,
-    /// Value bits per coordinate (MSE).
-    pub value_bits: u32,
-    /// Recent tokens kept in fp16.
-    pub window: usize,
-    /// First tokens kept in fp16.
-    pub sinks: usize,
-    /// Seed of the rotations and sketches.
-    pub seed: u64,
-}
+/// TurboQuant-Prod as [`BitsFactory`] builds it: Prod keys, MSE values.
+#[derive(Debug)]
+pub struct Prod;
 
-impl TurboQuantProdFactory {
-    /// `bits` for keys and values, the default window (64) and no sinks.
-    pub fn new(bits: u32) -> Self {
-        Self {
-            key_bits: bits,
-            value_bits: bits,
-            window: 64,
-            sinks: 0,
-            seed: 0x7u64 << 40 | 0x9D0D,
+impl BitsMethod for Prod {
+    const METHOD: &'static str = METHOD;
+    const VALID_BITS: &'static [u8] = &[2, 3, 4];
+    const DEFAULT_BITS: u8 = 3;
+    const SEED: u64 = 0x7u64 << 40 | 0x9D0D;
+    type Keys = ProdKeyCodec;
+    type Values = MseCodec;
+
+    fn keys(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<ProdKeyCodec> {
+        ProdKeyCodec::new(d, heads, bits, layer, seed)
+    }
+
+    fn values(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<MseCodec> {
+        MseCodec::new(d, heads, bits, layer, seed)
+    }
+
+    /// Keys 2..=5 bits (the MSE stage gets one less), values 1..=4.
+    fn check_bits(key_bits: u32, value_bits: u32) -> Result<()> {
+        if !(2..=5).contains(&key_bits) {
+            return Err(invalid_bits::<Self>(key_bits));
         }
-    }
-
-    /// The key and value codecs of one layer.
-    pub fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(ProdKeyCodec, MseCodec)> {
-        let (d, h) = (geom.head_dim, geom.n_kv_heads);
-        let keys = ProdKeyCodec::new(d, h, self.key_bits, layer, self.seed)?;
-        let values = MseCodec::new(d, h, self.value_bits, layer, self.seed ^ 0xA5A5)?;
-        Ok((keys, values))
+        if !(1..=4).contains(&value_bits) {
+            return Err(invalid_bits::<Self>(value_bits));
+        }
+        Ok(())
     }
 }
 
-impl CacheFactory for TurboQuantProdFactory {
-    fn method(&self) -> &str {
-        METHOD
-    }
-
-    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        let (keys, values) = self.codecs(layer, geom)?;
-        Ok(Box::new(CompressedCache::new(
-            *geom,
-            METHOD,
-            Arc::new(keys),
-            Arc::new(values),
-            self.window,
-            self.sinks,
-        )))
-    }
-}
+/// Builds TurboQuant-Prod caches (see [`BitsFactory`]); `key_bits` counts the MSE stage's
+/// `key_bits - 1` bits plus the 1-bit residual sketch.
+pub type TurboQuantProdFactory = BitsFactory<Prod>;
 
 /// The registry entry: bits 2, 3 or 4 (default 3), params as in the module doc.
 pub fn entry() -> MethodEntry {
-    MethodEntry {
-        name: METHOD,
-        bits: vec![2, 3, 4],
-        default_bits: 3,
-        build: |a| {
-            let base = TurboQuantProdFactory::new(a.bits.map_or(3, u32::from));
-            let pick = |key: &str, dflt: u32| -> Result<u32> {
-                Ok(match a.bits {
-                    Some(b) => u32::from(b),
-                    None => param(a.params, key)?.unwrap_or(dflt),
-                })
-            };
-            let f = TurboQuantProdFactory {
-                key_bits: pick("key_bits", base.key_bits)?,
-                value_bits: pick("value_bits", base.value_bits)?,
-                window: param(a.params, "window")?.unwrap_or(base.window),
-                sinks: param(a.params, "sinks")?.unwrap_or(base.sinks),
-                seed: param(a.params, "seed")?.unwrap_or(base.seed),
-            };
-            if !(2..=5).contains(&f.key_bits) {
-                return Err(invalid_bits(f.key_bits));
-            }
-            if !(1..=4).contains(&f.value_bits) {
-                return Err(invalid_bits(f.value_bits));
-            }
-            Ok(Arc::new(f))
-        },
-    }
+    TurboQuantProdFactory::entry()
 }
 
 #[cfg(test)]

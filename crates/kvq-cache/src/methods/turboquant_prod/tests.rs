@@ -4,12 +4,14 @@
 //! promised.
 
 use super::*;
+use crate::compressed::CodecFactory;
 use crate::compressed::ValueCodec;
 use crate::methods::qjl::testkit::{
     attention_error, gauss, geom, mean_and_se, op_vs_reference, pairs, prefill_vs_steps,
     resident_ratio, seed_averaged_error,
 };
 use proptest::prelude::*;
+use std::sync::Arc;
 
 fn estimate(c: &ProdKeyCodec, q: &[f32], k: &[f32]) -> f32 {
     let mut code = vec![0u8; c.code_bytes()];
@@ -134,7 +136,8 @@ fn resident_bytes_match_the_packed_size() {
 fn bits_select_key_and_value_bits() {
     let build = |bits: Option<u8>, params: &toml::Table| {
         (entry().build)(&crate::registry::BuildArgs {
-            bits,
+            request_bits: bits,
+            preset_bits: None,
             params,
             calibration: None,
         })
@@ -148,4 +151,24 @@ fn bits_select_key_and_value_bits() {
     assert!(build(None, &params).is_ok());
     params.insert("value_bits".into(), toml::Value::Integer(0));
     assert!(build(None, &params).is_err());
+}
+
+#[test]
+fn preset_bits_fill_the_part_it_does_not_set() {
+    let params: toml::Table = toml::from_str("value_bits = 3\nwindow = 8").unwrap();
+    let args = |request_bits, preset_bits| crate::registry::BuildArgs {
+        request_bits,
+        preset_bits,
+        params: &params,
+        calibration: None,
+    };
+    // A preset with `bits = 4` and an explicit `value_bits = 3`: 4-bit keys, 3-bit values.
+    let f = TurboQuantProdFactory::from_args(&args(None, Some(4))).unwrap();
+    assert_eq!((f.key_bits, f.value_bits, f.window), (4, 3, 8));
+    // Request bits override both parts; the other params stay.
+    let f = TurboQuantProdFactory::from_args(&args(Some(2), Some(4))).unwrap();
+    assert_eq!((f.key_bits, f.value_bits, f.window), (2, 2, 8));
+    // Neither: the method's default (3) for the part the preset leaves out.
+    let f = TurboQuantProdFactory::from_args(&args(None, None)).unwrap();
+    assert_eq!((f.key_bits, f.value_bits), (3, 3));
 }

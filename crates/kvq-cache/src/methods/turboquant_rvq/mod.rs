@@ -15,16 +15,15 @@
 //! TurboQuant-MSE at the same 4 bits has 0.0093: a two-stage code with a fixed Laplace second
 //! stage is a constrained 16-level scalar quantizer and cannot beat the Lloyd-Max optimum.
 
+use super::turboquant_mse::factory::{BitsFactory, BitsMethod};
 use super::turboquant_mse::kernel::{self, Isa, Table};
 use super::turboquant_mse::rotated::Rotated;
 use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Dist, cell_std, codebook};
-use crate::compressed::{CompressedCache, KernelKind, KeyCodec, ValueCodec};
-use crate::registry::{MethodEntry, param};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
+use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
-use std::sync::Arc;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-rvq";
@@ -186,84 +185,35 @@ impl ValueCodec for RvqCodec {
     }
 }
 
+/// TurboQuant-RVQ as [`BitsFactory`] builds it: the two-stage codec for keys and values.
+#[derive(Debug)]
+pub struct Rvq;
+
+impl BitsMethod for Rvq {
+    const METHOD: &'static str = METHOD;
+    const VALID_BITS: &'static [u8] = &VALID_BITS;
+    const DEFAULT_BITS: u8 = 4;
+    const SEED: u64 = 0x7u64 << 40 | 0x7452;
+    type Keys = RvqCodec;
+    type Values = RvqCodec;
+
+    fn keys(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<RvqCodec> {
+        RvqCodec::new(d, heads, bits, layer, seed)
+    }
+
+    fn values(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<RvqCodec> {
+        RvqCodec::new(d, heads, bits, layer, seed)
+    }
+}
+
+/// Builds TurboQuant-RVQ caches (see [`BitsFactory`]).
+pub type TurboQuantRvqFactory = BitsFactory<Rvq>;
+
 /// The registry entry: total bits 2, 4 or 6 (default 4); a preset may set `key_bits`,
 /// `value_bits`, `window`, `sinks` and `seed` in its `[params]`; request bits override both key
 /// and value bits.
 pub fn entry() -> MethodEntry {
-    MethodEntry {
-        name: METHOD,
-        bits: VALID_BITS.to_vec(),
-        default_bits: 4,
-        build: |a| {
-            let base = TurboQuantRvqFactory::new(a.bits.map_or(4, u32::from));
-            let pick = |key: &str, dflt: u32| -> Result<u32> {
-                Ok(match a.bits {
-                    Some(b) => u32::from(b),
-                    None => param(a.params, key)?.unwrap_or(dflt),
-                })
-            };
-            let f = TurboQuantRvqFactory {
-                key_bits: pick("key_bits", base.key_bits)?,
-                value_bits: pick("value_bits", base.value_bits)?,
-                window: param(a.params, "window")?.unwrap_or(base.window),
-                sinks: param(a.params, "sinks")?.unwrap_or(base.sinks),
-                seed: param(a.params, "seed")?.unwrap_or(base.seed),
-            };
-            for b in [f.key_bits, f.value_bits] {
-                if !VALID_BITS.contains(&(b.min(255) as u8)) {
-                    return Err(invalid(b));
-                }
-            }
-            Ok(Arc::new(f))
-        },
-    }
-}
-
-/// Builds TurboQuant-RVQ caches.
-#[derive(Debug, Clone)]
-pub struct TurboQuantRvqFactory {
-    /// Total bits per coordinate (both stages) for keys and for values.
-    pub key_bits: u32,
-    pub value_bits: u32,
-    /// Recent tokens kept in fp16.
-    pub window: usize,
-    /// First tokens kept in fp16.
-    pub sinks: usize,
-    /// Seed of the rotations.
-    pub seed: u64,
-}
-
-impl TurboQuantRvqFactory {
-    /// `bits` for keys and values, the default window (64) and no sinks.
-    pub fn new(bits: u32) -> Self {
-        Self {
-            key_bits: bits,
-            value_bits: bits,
-            window: 64,
-            sinks: 0,
-            seed: 0x7u64 << 40 | 0x7452,
-        }
-    }
-}
-
-impl CacheFactory for TurboQuantRvqFactory {
-    fn method(&self) -> &str {
-        METHOD
-    }
-
-    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        let (d, h) = (geom.head_dim, geom.n_kv_heads);
-        let keys = RvqCodec::new(d, h, self.key_bits, layer, self.seed)?;
-        let values = RvqCodec::new(d, h, self.value_bits, layer, self.seed ^ 0xA5A5)?;
-        Ok(Box::new(CompressedCache::new(
-            *geom,
-            METHOD,
-            Arc::new(keys),
-            Arc::new(values),
-            self.window,
-            self.sinks,
-        )))
-    }
+    TurboQuantRvqFactory::entry()
 }
 
 #[cfg(test)]

@@ -11,6 +11,8 @@ use crate::methods::turboquant_mse::test_support::{
     resident_ratio, unit_distortion,
 };
 use crate::registry::BuildArgs;
+use crate::traits::CacheFactory;
+use std::sync::Arc;
 
 #[test]
 fn distortion_is_below_stage_one_and_above_mse_at_equal_bits() {
@@ -155,7 +157,8 @@ fn fused_op_matches_attend_reference() {
 fn build(bits: Option<u8>, params: &str) -> Result<Arc<dyn CacheFactory>> {
     let params: toml::Table = toml::from_str(params).unwrap();
     (entry().build)(&BuildArgs {
-        bits,
+        request_bits: bits,
+        preset_bits: None,
         params: &params,
         calibration: None,
     })

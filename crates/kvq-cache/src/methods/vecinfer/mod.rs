@@ -14,14 +14,13 @@ pub mod calibration;
 pub mod capture;
 pub mod codec;
 
+use crate::compressed::CodecFactory;
 use crate::registry::{MethodEntry, param};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::traits::CacheGeometry;
 use crate::{CacheError, Result};
 use calibration::VecInferCalibration;
 use codec::{ValueAccum, VqKeyCodec, VqValueCodec};
 use std::sync::Arc;
-
-use crate::compressed::CompressedCache;
 
 /// Registry name.
 pub const METHOD: &str = "vecinfer";
@@ -58,7 +57,7 @@ pub fn entry() -> MethodEntry {
         bits: vec![1, 2],
         default_bits: 2,
         build: |a| {
-            let sub_dim = match (a.bits, param::<usize>(a.params, "sub_dim")?) {
+            let sub_dim = match (a.request_bits, param::<usize>(a.params, "sub_dim")?) {
                 (Some(b), _) => sub_dim_for_bits(b)?,
                 (None, Some(s)) if s == 4 || s == 8 => s,
                 (None, Some(s)) => {
@@ -67,9 +66,9 @@ pub fn entry() -> MethodEntry {
                         message: format!("{METHOD}: sub_dim must be 4 or 8, got {s}"),
                     });
                 }
-                (None, None) => 4,
+                (None, None) => a.preset_bits.map_or(Ok(4), sub_dim_for_bits)?,
             };
-            let seed = param(a.params, "seed")?.unwrap_or(DEFAULT_SEED);
+            let seed = a.param_or("seed", DEFAULT_SEED)?;
             let source = a.calibration.ok_or_else(|| {
                 CacheError::Calibration(format!(
                     "{METHOD} needs codebooks trained on the model (`kvq calibrate`), and no \
@@ -86,8 +85,8 @@ pub fn entry() -> MethodEntry {
                     ))
                 })?;
             let f = VecInferFactory {
-                window: param(a.params, "window")?.unwrap_or(64),
-                sinks: param(a.params, "sinks")?.unwrap_or(DEFAULT_SINKS),
+                window: a.param_or("window", 64)?,
+                sinks: a.param_or("sinks", DEFAULT_SINKS)?,
                 ..VecInferFactory::new(cal, sub_dim, seed)?
             };
             Ok(Arc::new(f))
@@ -144,9 +143,17 @@ impl VecInferFactory {
             accum: ValueAccum::Auto(HISTOGRAM_MIN),
         })
     }
+}
 
-    /// The codecs of `layer`.
-    pub fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(VqKeyCodec, VqValueCodec)> {
+impl CodecFactory for VecInferFactory {
+    type Keys = VqKeyCodec;
+    type Values = VqValueCodec;
+
+    fn method(&self) -> &'static str {
+        METHOD
+    }
+
+    fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(VqKeyCodec, VqValueCodec)> {
         let m = &self.calibration.meta;
         if layer >= m.n_layers || geom.n_kv_heads != m.n_kv_heads || geom.head_dim != m.head_dim {
             return Err(CacheError::Calibration(format!(
@@ -176,23 +183,13 @@ impl VecInferFactory {
             )?,
         ))
     }
-}
 
-impl CacheFactory for VecInferFactory {
-    fn method(&self) -> &str {
-        METHOD
+    fn window(&self) -> usize {
+        self.window
     }
 
-    fn create(&self, layer: usize, geom: &CacheGeometry) -> Result<Box<dyn KvCache>> {
-        let (keys, values) = self.codecs(layer, geom)?;
-        Ok(Box::new(CompressedCache::new(
-            *geom,
-            METHOD,
-            Arc::new(keys),
-            Arc::new(values),
-            self.window,
-            self.sinks,
-        )))
+    fn sinks(&self) -> usize {
+        self.sinks
     }
 }
 

@@ -11,6 +11,7 @@ use crate::attention::attention_reference;
 use crate::codec::kmeans::KMeansConfig;
 use crate::compressed::{KeyCodec, ValueCodec};
 use crate::registry::{BuildArgs, CalibrationSource};
+use crate::traits::CacheFactory;
 use candle_core::{Device, Tensor};
 use kvq_kernels::{AttendParams, attend_reference, compressed_attend, encode_keys, encode_values};
 use proptest::prelude::*;
@@ -389,7 +390,8 @@ fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     let params = toml::Table::new();
     let e = entry();
     let err = (e.build)(&BuildArgs {
-        bits: None,
+        request_bits: None,
+        preset_bits: None,
         params: &params,
         calibration: None,
     })
@@ -399,7 +401,8 @@ fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     let src: Arc<dyn CalibrationSource> = Arc::new(Fixed(calibration()));
     for (bits, code) in [(Some(1), 8), (Some(2), 16), (None, 16)] {
         let f = (e.build)(&BuildArgs {
-            bits,
+            request_bits: bits,
+            preset_bits: None,
             params: &params,
             calibration: Some(&src),
         })
@@ -420,7 +423,8 @@ fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     let mut p = toml::Table::new();
     p.insert("seed".into(), toml::Value::Integer(5));
     let err = (e.build)(&BuildArgs {
-        bits: None,
+        request_bits: None,
+        preset_bits: None,
         params: &p,
         calibration: Some(&src),
     })
@@ -429,7 +433,8 @@ fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     assert!(err.to_string().contains("seed"), "{err}");
     // Too many layers for the calibration is an error at create time, not a panic.
     let f = (e.build)(&BuildArgs {
-        bits: None,
+        request_bits: None,
+        preset_bits: None,
         params: &params,
         calibration: Some(&src),
     })

@@ -1,0 +1,144 @@
+//! The factory and registry entry the TurboQuant methods share (MSE, RVQ, Prod): rotated codecs
+//! built from bits per coordinate, one setting for keys and one for values.
+
+use crate::compressed::{CodecFactory, KeyCodec, ValueCodec};
+use crate::registry::{BuildArgs, MethodEntry};
+use crate::traits::{CacheFactory, CacheGeometry};
+use crate::{CacheError, Result};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// A TurboQuant method as [`BitsFactory`] builds it: its name, bits and per-layer codecs.
+pub trait BitsMethod: 'static {
+    /// Registry name.
+    const METHOD: &'static str;
+    /// Bits per coordinate a request may ask for.
+    const VALID_BITS: &'static [u8];
+    /// Bits when neither request nor preset names them.
+    const DEFAULT_BITS: u8;
+    /// Seed of the rotations (values use `seed ^ 0xA5A5`).
+    const SEED: u64;
+    type Keys: KeyCodec + 'static;
+    type Values: ValueCodec + 'static;
+    /// The key codec of one layer, seeded by (`seed`, layer, head).
+    fn keys(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<Self::Keys>;
+    /// The value codec of one layer, seeded by (`seed`, layer, head).
+    fn values(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<Self::Values>;
+    /// Whether a preset's (or request's) key and value bits are allowed; by default both must be
+    /// among [`Self::VALID_BITS`].
+    fn check_bits(key_bits: u32, value_bits: u32) -> Result<()> {
+        for b in [key_bits, value_bits] {
+            if !Self::VALID_BITS.contains(&(b.min(255) as u8)) {
+                return Err(invalid_bits::<Self>(b));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The error for `bits` that `M` does not take.
+pub fn invalid_bits<M: BitsMethod + ?Sized>(bits: u32) -> CacheError {
+    CacheError::InvalidBits {
+        method: M::METHOD.into(),
+        bits: bits.min(255) as u8,
+        valid: M::VALID_BITS.to_vec(),
+    }
+}
+
+/// Builds the caches of TurboQuant method `M`.
+pub struct BitsFactory<M> {
+    /// Bits per coordinate for keys and for values.
+    pub key_bits: u32,
+    pub value_bits: u32,
+    /// Recent tokens kept in fp16.
+    pub window: usize,
+    /// First tokens kept in fp16.
+    pub sinks: usize,
+    /// Seed of the rotations.
+    pub seed: u64,
+    pub method: PhantomData<fn() -> M>,
+}
+
+impl<M> Clone for BitsFactory<M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<M> Copy for BitsFactory<M> {}
+
+impl<M: BitsMethod> std::fmt::Debug for BitsFactory<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(M::METHOD)
+            .field("key_bits", &self.key_bits)
+            .field("value_bits", &self.value_bits)
+            .field("window", &self.window)
+            .field("sinks", &self.sinks)
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
+impl<M: BitsMethod> BitsFactory<M> {
+    /// `bits` for keys and values, the default window (64) and no sinks.
+    pub fn new(bits: u32) -> Self {
+        Self {
+            key_bits: bits,
+            value_bits: bits,
+            window: 64,
+            sinks: 0,
+            seed: M::SEED,
+            method: PhantomData,
+        }
+    }
+
+    /// Builds from a registry request; a preset may set `key_bits`, `value_bits`, `window`,
+    /// `sinks` and `seed` in its `[params]`, and request bits override both key and value bits.
+    pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
+        let base = Self::new(u32::from(M::DEFAULT_BITS));
+        let f = Self {
+            key_bits: a.part_bits("key_bits", base.key_bits)?,
+            value_bits: a.part_bits("value_bits", base.value_bits)?,
+            window: a.param_or("window", base.window)?,
+            sinks: a.param_or("sinks", base.sinks)?,
+            seed: a.param_or("seed", base.seed)?,
+            method: PhantomData,
+        };
+        M::check_bits(f.key_bits, f.value_bits)?;
+        Ok(f)
+    }
+
+    /// The registry entry of `M`.
+    pub fn entry() -> MethodEntry {
+        MethodEntry {
+            name: M::METHOD,
+            bits: M::VALID_BITS.to_vec(),
+            default_bits: M::DEFAULT_BITS,
+            build: |a| Ok(Arc::new(Self::from_args(a)?) as Arc<dyn CacheFactory>),
+        }
+    }
+}
+
+impl<M: BitsMethod> CodecFactory for BitsFactory<M> {
+    type Keys = M::Keys;
+    type Values = M::Values;
+
+    fn method(&self) -> &'static str {
+        M::METHOD
+    }
+
+    fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(M::Keys, M::Values)> {
+        let (d, h) = (geom.head_dim, geom.n_kv_heads);
+        let keys = M::keys(d, h, self.key_bits, layer, self.seed)?;
+        let values = M::values(d, h, self.value_bits, layer, self.seed ^ 0xA5A5)?;
+        Ok((keys, values))
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn sinks(&self) -> usize {
+        self.sinks
+    }
+}
