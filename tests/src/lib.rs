@@ -1,7 +1,9 @@
 //! Shared fixtures for the end-to-end tests: where the real models are, a loaded default model,
-//! the GGUF to Hugging Face directory conversion, and a spawned `kvq serve`.
+//! the GGUF to Hugging Face directory conversion, a spawned `kvq serve`, and keys captured from
+//! the model.
 
 pub mod hf_export;
+pub mod real_keys;
 pub mod server;
 
 use std::path::PathBuf;

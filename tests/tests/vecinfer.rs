@@ -4,28 +4,21 @@
 //! found on disk afterwards, rejected for another model); generation through the engine; and
 //! `kvq calibrate` writing its files.
 
-use kvq_cache::attention::attention_reference;
 use kvq_cache::methods::turboquant_mse::TurboQuantMseFactory;
 use kvq_cache::methods::vecinfer::calibration::VecInferCalibration;
-use kvq_cache::methods::vecinfer::capture::{CaptureFactory, LayerCapture};
+use kvq_cache::methods::vecinfer::capture::LayerCapture;
 use kvq_cache::methods::vecinfer::{DEFAULT_SEED, VecInferFactory};
-use kvq_cache::{CacheFactory, CacheGeometry, CacheRegistry, CacheSpec};
+use kvq_cache::{CacheFactory, CacheRegistry, CacheSpec};
 use kvq_engine::{Engine, EngineConfig, GenerationEvent, GenerationRequest, SamplingParams};
-use kvq_models::LoadedModel;
-use kvq_models::model::SeqStep;
 use kvq_server::calibration::{
     CalibrateOptions, ModelCalibration, SHIPPED_TEXT, SHIPPED_TEXT_NAME, Source, calibrate,
     calibration_dir, file_stem, model_hash, sha256_hex,
 };
+use kvq_tests::real_keys::{self, capture, model};
 use kvq_tests::server::kvq_bin;
 use kvq_tests::{default_gguf, scratch_dir};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
-
-fn model() -> &'static LoadedModel {
-    static M: OnceLock<LoadedModel> = OnceLock::new();
-    M.get_or_init(|| kvq_models::load(&default_gguf(), &mut |_, _| {}).expect("model loads"))
-}
 
 fn text_ids() -> Vec<u32> {
     model()
@@ -74,78 +67,13 @@ fn held_out() -> &'static [LayerCapture] {
         );
         let mut seq = vec![ids[0]];
         seq.extend_from_slice(&ids[4096..4096 + 1023]);
-        let f = CaptureFactory::new(true);
-        let mut caches = model().model.new_caches(&f).expect("caches");
-        for chunk in seq.chunks(256) {
-            model()
-                .model
-                .forward(&mut [SeqStep {
-                    tokens: chunk,
-                    cache: &mut caches,
-                    all_logits: false,
-                }])
-                .expect("forward");
-        }
-        f.take()
+        capture(&seq)
     })
-}
-
-/// Relative L2 error (over all heads and rows) of the last `rows` query rows of one layer
-/// attended through `factory`, against exact f32 attention on the same keys and values.
-fn layer_error(factory: &dyn CacheFactory, layer: usize, cap: &LayerCapture, rows: usize) -> f64 {
-    let (kvh, nh, d, n) = (cap.n_kv_heads, cap.n_heads, cap.head_dim, cap.tokens());
-    let g = CacheGeometry {
-        n_heads: nh,
-        n_kv_heads: kvh,
-        head_dim: d,
-        sliding_window: None,
-        max_tokens: n,
-    };
-    let flat = |rows: &[Vec<f32>]| rows.concat();
-    let (k, v) = (flat(&cap.keys), flat(&cap.values));
-    let q: Vec<f32> = cap
-        .queries
-        .iter()
-        .flat_map(|h| h[(n - rows) * d..].iter().copied())
-        .collect();
-    let dev = candle_core::Device::Cpu;
-    let t = |x: Vec<f32>, s: (usize, usize, usize)| candle_core::Tensor::from_vec(x, s, &dev);
-    let mut cache = factory.create(layer, &g).expect("cache");
-    cache
-        .append(
-            &t(k.clone(), (kvh, n, d)).unwrap(),
-            &t(v.clone(), (kvh, n, d)).unwrap(),
-        )
-        .expect("append");
-    let scale = 1.0 / (d as f32).sqrt();
-    let got = cache
-        .attend(&t(q.clone(), (nh, rows, d)).unwrap(), scale)
-        .expect("attend")
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let want = attention_reference(&q, &k, &v, nh, kvh, rows, n, d, scale, None);
-    let num: f64 = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 /// Mean and max over layers.
 fn errors(factory: &dyn CacheFactory) -> (f64, f64) {
-    let e: Vec<f64> = held_out()
-        .iter()
-        .enumerate()
-        .map(|(l, cap)| layer_error(factory, l, cap, 32))
-        .collect();
-    (
-        e.iter().sum::<f64>() / e.len() as f64,
-        e.iter().copied().fold(0.0, f64::max),
-    )
+    real_keys::errors(factory, held_out(), 32)
 }
 
 #[test]

@@ -41,8 +41,11 @@ mod tests {
         for name in [
             "turboquant-mse-4bit",
             "turboquant-mse-3bit",
+            "turboquant-prod-4bit",
             "turboquant-prod-3bit",
+            "turboquant-rvq-4bit",
             "turboquant-rvq-2bit",
+            "qjl-4bit",
             "qjl-3bit",
             "vecinfer-2bit",
             "vecinfer-1bit",
