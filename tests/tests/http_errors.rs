@@ -1,5 +1,6 @@
 //! Every bad input named by the API contract gets a 4xx with OpenAI's error JSON, never a 500,
-//! a panic or a hang; and an error after a stream began arrives as an SSE error event.
+//! a panic or a hang (a method the server cannot build is a 503); and an error after a stream
+//! began arrives as an SSE error event.
 
 mod common;
 
@@ -183,6 +184,27 @@ async fn unknown_cache_method_lists_the_valid_names() {
     )
     .await;
     assert_eq!(s, 400, "{e}");
+}
+
+/// A known method the server cannot build (here VecInfer on a server with no calibration source;
+/// in `kvq serve`, a failed first-use calibration) is a 503 naming the header, not a 500.
+#[tokio::test]
+async fn a_method_the_server_cannot_build_is_503() {
+    for stream in [false, true] {
+        let (s, e) = chat(
+            json!({"model": model_id(), "messages": msgs(), "stream": stream}),
+            &[("x-kv-cache-method", "vecinfer")],
+        )
+        .await;
+        assert_eq!(s, 503, "{e}");
+        assert_eq!(e["type"], "server_error");
+        assert_eq!(e["param"], "x-kv-cache-method");
+        assert_eq!(e["code"], "kv_cache_method_unavailable");
+        assert!(
+            e["message"].as_str().unwrap().contains("calibration"),
+            "{e}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -43,6 +43,10 @@ pub enum ApiError {
     /// The engine has stopped (503).
     #[error("{0}")]
     Unavailable(String),
+    /// The requested KV cache method exists but this server cannot build it: its calibration
+    /// failed or its preset is misconfigured (503, no retry hint; `param` names the header).
+    #[error("{message}")]
+    MethodUnavailable { message: String, param: String },
     /// A bug or an unexpected failure (500).
     #[error("{0}")]
     Internal(String),
@@ -99,7 +103,9 @@ impl ApiError {
             Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Overloaded(_) | Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Overloaded(_) | Self::Unavailable(_) | Self::MethodUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -114,7 +120,10 @@ impl ApiError {
             | Self::ContextLengthExceeded { .. }
             | Self::MaxTokensTooLarge(_) => "invalid_request_error",
             Self::NotFound(_) => "not_found_error",
-            Self::Overloaded(_) | Self::Unavailable(_) | Self::Internal(_) => "server_error",
+            Self::Overloaded(_)
+            | Self::Unavailable(_)
+            | Self::MethodUnavailable { .. }
+            | Self::Internal(_) => "server_error",
         }
     }
 
@@ -123,7 +132,9 @@ impl ApiError {
         match self {
             Self::InvalidRequest { param, .. } => param.as_deref(),
             Self::ModelNotFound { .. } => Some("model"),
-            Self::ContextLengthExceeded { param, .. } => Some(param),
+            Self::ContextLengthExceeded { param, .. } | Self::MethodUnavailable { param, .. } => {
+                Some(param)
+            }
             Self::MaxTokensTooLarge(_) => Some("max_tokens"),
             _ => None,
         }
@@ -141,6 +152,7 @@ impl ApiError {
             Self::MaxTokensTooLarge(_) => Some("max_tokens_too_large"),
             Self::Overloaded(_) => Some("overloaded"),
             Self::Unavailable(_) => Some("unavailable"),
+            Self::MethodUnavailable { .. } => Some("kv_cache_method_unavailable"),
             Self::Internal(_) => Some("internal_error"),
         }
     }
@@ -183,12 +195,17 @@ impl ApiError {
     }
 
     /// Maps a cache error. `param` names where the method came from (`x-kv-cache-method` or
-    /// `kv_cache.method`).
+    /// `kv_cache.method`): a bad choice is a 400, a method the server cannot build (calibration,
+    /// preset) a 503.
     pub fn from_cache(err: CacheError, param: &str) -> Self {
         match err {
             CacheError::UnknownMethod { .. } | CacheError::InvalidBits { .. } => {
                 Self::invalid(param, err.to_string())
             }
+            CacheError::Calibration(_) | CacheError::Preset { .. } => Self::MethodUnavailable {
+                message: format!("This server cannot run the requested kv cache method: {err}"),
+                param: param.to_string(),
+            },
             other => Self::Internal(format!("kv cache: {other}")),
         }
     }
@@ -354,6 +371,21 @@ mod tests {
         assert!(e.to_string().contains("fp16, qjl"));
         let e = ApiError::from_cache(CacheError::Shape("bad".into()), "x-kv-cache-method");
         assert_eq!(e.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let e = ApiError::from_cache(
+            CacheError::Calibration("the capture failed".into()),
+            "x-kv-cache-method",
+        );
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.retry_after(), None);
+        assert_eq!(
+            (e.error_type(), e.param(), e.code()),
+            (
+                "server_error",
+                Some("x-kv-cache-method"),
+                Some("kv_cache_method_unavailable")
+            )
+        );
+        assert!(e.to_string().contains("the capture failed"), "{e}");
     }
 
     #[test]

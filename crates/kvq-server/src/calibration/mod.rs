@@ -264,8 +264,10 @@ impl CalibrationSource for ModelCalibration {
             )));
         }
         let seed = param(params, "seed")?.unwrap_or(DEFAULT_SEED);
+        // Every failure here is the calibration's (a 503 for the request), never a bare cache
+        // or candle error (a 500).
         let cal = blocking(|| self.get(seed)).map_err(|e| match e {
-            CalibrateError::Cache(e) => e,
+            CalibrateError::Cache(CacheError::Calibration(m)) => CacheError::Calibration(m),
             other => CacheError::Calibration(other.to_string()),
         })?;
         Ok(cal)
