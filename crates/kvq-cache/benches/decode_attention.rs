@@ -1,8 +1,9 @@
 //! Decode attention at 8192 cached tokens (d = 64, 3 kv heads, 9 query heads, one query row:
-//! append the new token, attend), fp16 against the compressed methods, all through the public
-//! `KvCache` API in one run so their ratio is measured under the same machine load; then the
-//! codebook kernels alone (scores and value sums over 8192 code rows) on each path, the byte
-//! lookup table the register gather replaced, and the fast encode against its reference.
+//! append the new token, attend), fp16 against every compressed method (VecInfer with random
+//! codebooks of a real calibration's shape), all through the public `KvCache` API in one run so
+//! their ratio is measured under the same machine load; then the codebook kernels alone (scores
+//! and value sums over 8192 code rows) on each path, the byte lookup table the register gather
+//! replaced, and the fast encode against its reference.
 //! `cargo bench -p kvq-cache --bench decode_attention`.
 
 use candle_core::{Device, Tensor};
@@ -10,7 +11,11 @@ use criterion::{Criterion, black_box, criterion_group, criterion_main};
 use kvq_cache::compressed::KeyCodec;
 use kvq_cache::methods::turboquant_mse::MseCodec;
 use kvq_cache::methods::turboquant_mse::kernel::{self, Isa, Rows, Table};
+use kvq_cache::methods::vecinfer::calibration::VecInferCalibration;
+use kvq_cache::registry::CalibrationSource;
 use kvq_cache::{CacheGeometry, CacheRegistry, CacheSpec, KvCache};
+use std::any::Any;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TOKENS: usize = 8192;
@@ -33,13 +38,32 @@ fn floats(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The registry, with random VecInfer codebooks (timing only: a real calibration has the same
+/// shapes and costs).
+fn registry() -> CacheRegistry {
+    struct Random(Arc<VecInferCalibration>);
+    impl CalibrationSource for Random {
+        fn calibration(
+            &self,
+            _method: &str,
+            _params: &toml::Table,
+        ) -> kvq_cache::Result<Arc<dyn Any + Send + Sync>> {
+            Ok(self.0.clone())
+        }
+    }
+    let mut r = CacheRegistry::builtin();
+    let cal = VecInferCalibration::random(1, KV_HEADS, D, 3);
+    r.set_calibration(Arc::new(Random(Arc::new(cal))));
+    r
+}
+
 /// A cache of `method` (with `bits`) holding TOKENS positions.
 fn filled(method: &str, bits: Option<u8>) -> Box<dyn KvCache> {
     let spec = CacheSpec {
         method: Some(method.into()),
         bits,
     };
-    let factory = CacheRegistry::builtin()
+    let factory = registry()
         .resolve(&spec)
         .expect("method in the registry")
         .factory;
@@ -75,16 +99,16 @@ fn decode_attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_attention_8192");
     g.sample_size(30).measurement_time(Duration::from_secs(4));
     let q = Tensor::from_vec(floats(HEADS * D, 99), (HEADS, 1, D), &Device::Cpu).expect("q");
-    let registry = CacheRegistry::builtin();
     let mut cases: Vec<(String, &str, Option<u8>)> = vec![("fp16".into(), "fp16", None)];
     for (method, bits) in [
-        ("turboquant-mse", [2u8, 3, 4]),
-        ("turboquant-rvq", [2, 4, 6]),
+        ("turboquant-mse", &[2u8, 3, 4][..]),
+        ("turboquant-rvq", &[2, 4, 6]),
+        ("turboquant-prod", &[3, 4]),
+        ("qjl", &[3, 4]),
+        ("vecinfer", &[1, 2]),
     ] {
-        if registry.base_method(method).is_some() {
-            for b in bits {
-                cases.push((format!("{method}-{b}bit"), method, Some(b)));
-            }
+        for &b in bits {
+            cases.push((format!("{method}-{b}bit"), method, Some(b)));
         }
     }
     let dev = Device::Cpu;

@@ -103,6 +103,55 @@ fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<
 }
 
 impl VecInferCalibration {
+    /// Random codebooks (Gaussian centroids, the scale of rotated coordinates of unit-variance
+    /// inputs) and unit smoothing for sub_dims 4 and 8: a real calibration's shapes and costs with
+    /// none of its quality, to time the kernels without a model (benches).
+    pub fn random(n_layers: usize, n_kv_heads: usize, head_dim: usize, seed: u64) -> Self {
+        let mut rng = crate::codec::sketch::SplitMix::new(seed);
+        let sub_dims = vec![4, 8];
+        let layers = (0..n_layers)
+            .map(|_| LayerCalibration {
+                key_lambda: vec![1.0; n_kv_heads * head_dim],
+                books: sub_dims
+                    .iter()
+                    .map(|&sub| {
+                        let n = head_dim / sub * super::codec::CENTROIDS * sub;
+                        SubBooks {
+                            sub_dim: sub,
+                            keys: rng.gauss_vec(n),
+                            values: rng.gauss_vec(n),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Self {
+            meta: CalibrationMeta {
+                format: FORMAT,
+                method: super::METHOD.into(),
+                model_hash: "random".into(),
+                model_name: "random".into(),
+                text_name: "-".into(),
+                text_sha256: "-".into(),
+                tokens: 0,
+                sub_dims,
+                centroids: super::codec::CENTROIDS,
+                seed: super::DEFAULT_SEED,
+                smoothing: "none".into(),
+                per_position: true,
+                n_layers,
+                n_kv_heads,
+                head_dim,
+                kmeans_samples: 0,
+                kmeans_iters: 0,
+                date: utc_now(),
+                kvq_version: env!("CARGO_PKG_VERSION").into(),
+                seconds: 0.0,
+            },
+            layers,
+        }
+    }
+
     /// Checks that every layer has lambdas and codebooks of the sizes the metadata promises.
     pub fn validate(&self) -> Result<()> {
         let m = &self.meta;

@@ -7,6 +7,7 @@
 //! (no smoothing) and coded the same way with their own codebooks; attention accumulates them
 //! per code (see [`ValueAccum`]) and rotates back once per query row.
 
+use crate::attention::{axpy, dot};
 use crate::codec::hadamard::Rotation;
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::{CacheError, Result};
@@ -58,6 +59,9 @@ fn check_heads(x: &[f32], d: usize, what: &str) -> Result<usize> {
 pub struct Books {
     sub: usize,
     data: Vec<f32>,
+    /// The same codebooks coordinate-major (`[n][sub][256]`): query tables and histogram
+    /// decoding then run as 256-wide vector loops.
+    by_coord: Vec<f32>,
     nearest: Vec<NearestCodebook>,
 }
 
@@ -77,11 +81,49 @@ impl Books {
             .chunks_exact(one)
             .map(|b| NearestCodebook::new(b, sub))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut by_coord = vec![0f32; data.len()];
+        for (book, t) in data.chunks_exact(one).zip(by_coord.chunks_exact_mut(one)) {
+            for (c, centroid) in book.chunks_exact(sub).enumerate() {
+                for (j, &x) in centroid.iter().enumerate() {
+                    t[j * CENTROIDS + c] = x;
+                }
+            }
+        }
         Ok(Self {
             sub,
             data: data.to_vec(),
+            by_coord,
             nearest,
         })
+    }
+
+    /// Sub-position `pos`'s codebook coordinate-major: `[sub][256]`.
+    #[inline]
+    fn by_coord(&self, pos: usize) -> &[f32] {
+        let one = CENTROIDS * self.sub;
+        let b = self.book(pos);
+        &self.by_coord[b * one..(b + 1) * one]
+    }
+
+    /// `lut[c] = q . centroid c` of sub-position `pos` for all 256 centroids (`q`: `sub` values).
+    fn table(&self, pos: usize, q: &[f32], lut: &mut [f32]) {
+        lut.fill(0.0);
+        for (&qj, coord) in q.iter().zip(self.by_coord(pos).chunks_exact(CENTROIDS)) {
+            axpy(lut, qj, coord);
+        }
+    }
+
+    /// `out += sum_c w[c] * centroid c` of sub-position `pos` (`out`: `sub` values).
+    fn weighted_sum(&self, pos: usize, w: &[f32], out: &mut [f32]) {
+        if w.iter().all(|&x| x == 0.0) {
+            return; // gathered instead (a short run), or no compressed positions
+        }
+        for (o, coord) in out
+            .iter_mut()
+            .zip(self.by_coord(pos).chunks_exact(CENTROIDS))
+        {
+            *o += dot(w, coord);
+        }
     }
 
     /// Which codebook sub-position `pos` uses.
@@ -200,13 +242,11 @@ impl KeyCodec for VqKeyCodec {
         let l = &self.lambda[head * self.d..(head + 1) * self.d];
         let mut u: Vec<f32> = q.iter().zip(l).map(|(q, l)| q * l).collect();
         self.rotations[head].apply(&mut u);
-        let sub = self.sub;
-        let luts = state.chunks_exact_mut(CENTROIDS).zip(u.chunks_exact(sub));
+        let luts = state
+            .chunks_exact_mut(CENTROIDS)
+            .zip(u.chunks_exact(self.sub));
         for (pos, (lut, qs)) in luts.enumerate() {
-            let book = self.books.centroids(pos);
-            for (e, c) in lut.iter_mut().zip(book.chunks_exact(sub)) {
-                *e = qs.iter().zip(c).map(|(a, b)| a * b).sum();
-            }
+            self.books.table(pos, qs, lut);
         }
     }
 
@@ -351,11 +391,7 @@ impl ValueCodec for VqValueCodec {
         out.copy_from_slice(direct);
         let rows = out.chunks_exact_mut(sub).zip(hist.chunks_exact(CENTROIDS));
         for (pos, (o, bins)) in rows.enumerate() {
-            for (&w, c) in bins.iter().zip(self.books.centroids(pos).chunks_exact(sub)) {
-                if w != 0.0 {
-                    o.iter_mut().zip(c).for_each(|(x, y)| *x += w * y);
-                }
-            }
+            self.books.weighted_sum(pos, bins, o);
         }
         self.rotations[head].invert(out);
     }
