@@ -119,19 +119,19 @@ fn turboquant_prod_and_qjl_attend_close_to_exact_on_real_keys() {
     check("qjl", &qjl, &[(1.58, 2.9), (0.94, 1.26), (0.77, 1.07)]);
 }
 
-/// The shipped presets of the data-free methods, as a request resolves them (window 64, 4 fp16
-/// sinks): closer to exact than the same codes with window 1.
+/// The shipped presets of the data-free methods, as a request resolves them (fp16 window of 24 to
+/// 64 tokens, 4 fp16 sinks): closer to exact than the same codes with window 1.
 #[test]
 fn shipped_presets_attend_close_to_exact_on_real_keys() {
     let mut registry = CacheRegistry::builtin();
     let names = registry
         .load_presets(&workspace_root().join("configs/cache"))
         .expect("presets load");
-    // Measured (mean, worst layer) with window 64 and 4 sinks; bounds ~20% above.
+    // Measured (mean, worst layer) with each preset's window and sinks; bounds 20% above.
     let bounds = [
         ("turboquant-mse-4bit", 0.048, 0.143),
         ("turboquant-mse-3bit", 0.099, 0.239),
-        ("turboquant-rvq-4bit", 0.061, 0.245),
+        ("turboquant-rvq-4bit", 0.069, 0.246),
         ("turboquant-rvq-2bit", 0.244, 0.561),
         ("turboquant-prod-4bit", 0.134, 0.396),
         ("turboquant-prod-3bit", 0.334, 0.710),
