@@ -6,7 +6,7 @@
 //! `KeyCodec` (scores straight from codes) and a `ValueCodec` (accumulates from codes); encoding
 //! and the compressed part of attention run as kvq-kernels custom ops on the code tensors.
 
-use crate::attention::dot;
+use crate::attention::{dot, window_start};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use candle_core::{DType, Tensor};
@@ -83,11 +83,14 @@ impl Fp16Rows {
 }
 
 /// A growable `[heads, capacity, width]` u8 tensor of code rows, grown in `GROW_TOKENS` steps.
+/// Row `i` holds position `first + i`: under a sliding window, rows no query can reach are
+/// dropped when the buffer is next reallocated, so it stops growing at the window.
 struct CodeBuf {
     buf: Option<Tensor>,
     cap: usize,
     width: usize,
     heads: usize,
+    first: usize,
 }
 
 impl CodeBuf {
@@ -97,31 +100,39 @@ impl CodeBuf {
             cap: 0,
             width,
             heads,
+            first: 0,
         }
     }
 
-    /// Writes `codes` (`[heads, t, width]`) at rows `len..len + t`.
-    fn write(&mut self, codes: &Tensor, len: usize) -> Result<()> {
+    /// Writes `codes` (`[heads, t, width]`) for positions `len..len + t`; positions before
+    /// `keep_from` may be dropped (they are when the buffer has to grow).
+    fn write(&mut self, codes: &Tensor, len: usize, keep_from: usize) -> Result<()> {
         let t = codes.dim(1)?;
-        if len + t > self.cap || self.buf.is_none() {
-            let cap = (len + t).div_ceil(GROW_TOKENS) * GROW_TOKENS;
+        if self.buf.is_none() || len < self.first || len - self.first + t > self.cap {
+            let first = keep_from.max(self.first.min(len)).min(len);
+            let live = len - first;
+            // A rolling buffer keeps a step of slack so it is reallocated once per GROW_TOKENS.
+            let slack = if first > 0 { GROW_TOKENS } else { 0 };
+            let cap = (live + t).div_ceil(GROW_TOKENS) * GROW_TOKENS + slack;
             let fresh = Tensor::zeros((self.heads, cap, self.width), DType::U8, codes.device())?;
-            if let (Some(old), true) = (&self.buf, len > 0) {
-                fresh.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            if let (Some(old), true) = (&self.buf, live > 0) {
+                let rows = old.narrow(1, first - self.first, live)?.contiguous()?;
+                fresh.slice_set(&rows, 1, 0)?;
             }
             self.buf = Some(fresh);
             self.cap = cap;
+            self.first = first;
         }
         if let Some(buf) = &self.buf {
-            buf.slice_set(&codes.contiguous()?, 1, len)?;
+            buf.slice_set(&codes.contiguous()?, 1, len - self.first)?;
         }
         Ok(())
     }
 
-    /// The first `len` rows, as a view.
+    /// The rows of positions `first..len`, as a view.
     fn view(&self, len: usize) -> Result<Option<Tensor>> {
         Ok(match &self.buf {
-            Some(b) => Some(b.narrow(1, 0, len)?),
+            Some(b) => Some(b.narrow(1, 0, len.saturating_sub(self.first))?),
             None => None,
         })
     }
@@ -147,6 +158,8 @@ pub struct CompressedCache {
     sink_k: Fp16Rows,
     sink_v: Fp16Rows,
     len: usize,
+    /// Drop code rows that left the sliding window (see [`Self::keep_all`]).
+    roll: bool,
 }
 
 impl CompressedCache {
@@ -174,7 +187,15 @@ impl CompressedCache {
             sink_k: Fp16Rows::new(h),
             sink_v: Fp16Rows::new(h),
             len: 0,
+            roll: true,
         }
+    }
+
+    /// Keeps every code row even under a sliding window: what the rolling cache must equal
+    /// (tests), at the memory it saves.
+    pub fn keep_all(mut self) -> Self {
+        self.roll = false;
+        self
     }
 
     /// Drops fp16 rows no future query can need (all but the last `window - 1` positions).
@@ -204,6 +225,7 @@ impl CompressedCache {
             window: self.window,
             sinks: self.sinks,
             sliding_window: self.geom.sliding_window,
+            code_first: self.key_codes.first,
         }
     }
 
@@ -262,10 +284,15 @@ impl KvCache for CompressedCache {
         let t = self.geom.check_append(self.len, k, v)?;
         self.trim_recent();
         let (k, v) = (k.contiguous()?, v.contiguous()?);
+        // Queries of the new rows start at `len`: codes before its sliding window can go.
+        let keep_from = match self.roll {
+            true => window_start(self.len, self.geom.sliding_window),
+            false => 0,
+        };
         self.key_codes
-            .write(&encode_keys(&self.keys, &k)?, self.len)?;
+            .write(&encode_keys(&self.keys, &k)?, self.len, keep_from)?;
         self.val_codes
-            .write(&encode_values(&self.values, &v)?, self.len)?;
+            .write(&encode_values(&self.values, &v)?, self.len, keep_from)?;
         let kd = k.flatten_all()?.to_vec1::<f32>()?;
         let vd = v.flatten_all()?.to_vec1::<f32>()?;
         for h in 0..kvh {
@@ -349,6 +376,12 @@ impl KvCache for CompressedCache {
         if self.recent_k.first > needed {
             return Err(CacheError::Shape(format!(
                 "cannot truncate to {n}: the fp16 rows from position {needed} are gone"
+            )));
+        }
+        let (_, c0, c1) = self.params(0, 1.0).ranges(n);
+        if c1 > c0 && c0 < self.key_codes.first {
+            return Err(CacheError::Shape(format!(
+                "cannot truncate to {n}: the codes from position {c0} left the sliding window"
             )));
         }
         let d = self.geom.head_dim;

@@ -12,6 +12,9 @@ pub mod methods;
 pub mod registry;
 pub mod traits;
 
+#[cfg(test)]
+mod rolling_tests;
+
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
 pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};

@@ -22,6 +22,9 @@ pub struct AttendParams {
     pub sinks: usize,
     /// Sliding attention window of the layer, if any.
     pub sliding_window: Option<usize>,
+    /// Position of code row 0: a rolling cache drops the rows no query can reach any more (they
+    /// left the sliding window), so row `i` holds position `code_first + i`.
+    pub code_first: usize,
 }
 
 impl AttendParams {
@@ -34,6 +37,19 @@ impl AttendParams {
         let c1 = (pos + 1).saturating_sub(self.window.max(1)).max(start);
         let c0 = self.sinks.max(start).min(c1);
         (start, c0, c1)
+    }
+
+    /// The code rows `[r0, r1)` of the query at position `pos`: its compressed range relative to
+    /// `code_first` (empty when the range is).
+    pub fn code_rows(&self, pos: usize) -> (usize, usize) {
+        let (_, c0, c1) = self.ranges(pos);
+        if c1 <= c0 {
+            return (0, 0);
+        }
+        (
+            c0.saturating_sub(self.code_first),
+            c1.saturating_sub(self.code_first),
+        )
     }
 }
 
@@ -153,27 +169,35 @@ impl CustomOp3 for AttendOp {
         }
         let group = nh / k.heads;
         let last = self.p.first_pos + t;
-        let (_, _, c1_last) = self.p.ranges(last.saturating_sub(1));
-        if t > 0 && c1_last > k.rows {
-            bail!("attend: rows need {c1_last} codes, {} given", k.rows)
+        let (_, c0_first, c1_first) = self.p.ranges(self.p.first_pos);
+        if t > 0 && c1_first > c0_first && c0_first < self.p.code_first {
+            bail!(
+                "attend: position {} needs codes from {c0_first}, kept from {}",
+                self.p.first_pos,
+                self.p.code_first
+            )
+        }
+        let (_, r1_last) = self.p.code_rows(last.saturating_sub(1));
+        if t > 0 && r1_last > k.rows {
+            bail!("attend: rows need {r1_last} codes, {} given", k.rows)
         }
         let mut out = vec![0f32; nh * t * (d + 2)];
         let work = |(i, o): (usize, &mut [f32])| {
             let (h, r) = (i / t, i % t);
             let kh = h / group;
-            let (_, c0, c1) = self.p.ranges(self.p.first_pos + r);
+            let (r0, r1) = self.p.code_rows(self.p.first_pos + r);
             attend_row(
                 self,
                 kh,
                 q.range(h, r, r + 1),
-                k.range(kh, c0, c1),
-                v.range(kh, c0, c1),
+                k.range(kh, r0, r1),
+                v.range(kh, r0, r1),
                 o,
             );
         };
         // Parallel when there is real work (long ranges or many rows); decode of a short context
         // stays on the calling thread.
-        if nh * t * c1_last.max(1) >= 8192 {
+        if nh * t * r1_last.max(1) >= 8192 {
             out.par_chunks_mut(d + 2).enumerate().for_each(work);
         } else {
             out.chunks_mut(d + 2).enumerate().for_each(work);
@@ -203,7 +227,8 @@ pub fn compressed_attend(
 
 /// The definition `compressed_attend` is tested against: decode every key and value of the row's
 /// compressed range to f32, exact dot products, softmax, weighted sum. Same inputs (flat,
-/// contiguous `[heads][rows][width]`) and output layout as the op.
+/// contiguous `[heads][rows][width]`, row 0 at position `p.code_first`) and output layout as the
+/// op.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_reference(
     keys: &dyn KeyCodec,
@@ -226,8 +251,8 @@ pub fn attend_reference(
         let kh = h / group;
         for r in 0..t {
             let qrow = &q[(h * t + r) * d..(h * t + r + 1) * d];
-            let (_, c0, c1) = p.ranges(p.first_pos + r);
-            let mut s: Vec<f32> = (c0..c1)
+            let (r0, r1) = p.code_rows(p.first_pos + r);
+            let mut s: Vec<f32> = (r0..r1)
                 .map(|j| {
                     let at = (kh * n + j) * kb;
                     keys.decode(kh, &kcodes[at..at + kb], &mut kr);
@@ -237,7 +262,7 @@ pub fn attend_reference(
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let o = &mut out[(h * t + r) * (d + 2)..(h * t + r + 1) * (d + 2)];
             let mut sum = 0f32;
-            for (x, j) in s.iter_mut().zip(c0..c1) {
+            for (x, j) in s.iter_mut().zip(r0..r1) {
                 *x = (*x - max).exp();
                 sum += *x;
                 let at = (kh * n + j) * vb;

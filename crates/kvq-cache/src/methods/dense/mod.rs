@@ -1,6 +1,8 @@
 //! Dense caches: `fp16` (the baseline) and `f32` (exact, the reference the golden test uses).
 //! Keys and values are held in fixed-size blocks allocated as the sequence grows (never a
-//! concatenation per token); attention is exact up to the storage type's rounding.
+//! concatenation per token); under a sliding window the blocks no query can reach again are
+//! released and recycled, so memory stops growing at the window. Attention is exact up to the
+//! storage type's rounding.
 
 use crate::Result;
 use crate::attention::{axpy, dot, softmax_in_place, window_start};
@@ -108,8 +110,14 @@ struct Block<E> {
 /// The dense cache of one layer.
 pub struct DenseCache<E> {
     geom: CacheGeometry,
-    blocks: Vec<Block<E>>,
+    /// Block `b` holds positions `b * BLOCK_TOKENS..`; under a sliding window the blocks every
+    /// future query is past are released (`None`) and recycled for new positions.
+    blocks: Vec<Option<Block<E>>>,
+    /// A released block, reused by the next new one.
+    spare: Option<Block<E>>,
     len: usize,
+    /// Release blocks that left the sliding window (see [`Self::keep_all`]).
+    roll: bool,
 }
 
 impl<E: Element> DenseCache<E> {
@@ -118,7 +126,28 @@ impl<E: Element> DenseCache<E> {
         Self {
             geom,
             blocks: Vec::new(),
+            spare: None,
             len: 0,
+            roll: true,
+        }
+    }
+
+    /// Keeps every block even under a sliding window: what the rolling cache must equal (tests),
+    /// at the memory it saves.
+    pub fn keep_all(mut self) -> Self {
+        self.roll = false;
+        self
+    }
+
+    /// Releases the blocks wholly before `pos`, the first position a query at `self.len` or later
+    /// can see under the sliding window; one is kept for reuse.
+    fn release_before(&mut self, pos: usize) {
+        for slot in self.blocks.iter_mut().take(pos / BLOCK_TOKENS) {
+            if let Some(b) = slot.take()
+                && self.spare.is_none()
+            {
+                self.spare = Some(b);
+            }
         }
     }
 
@@ -132,18 +161,15 @@ impl<E: Element> DenseCache<E> {
         (head * BLOCK_TOKENS + slot) * self.geom.head_dim
     }
 
-    /// Copies head `h`'s keys or values of positions `0..len` into `out` as f32 `[len, d]`.
-    fn gather_head(&self, h: usize, keys: bool, out: &mut [f32]) {
+    /// Copies head `h`'s keys or values of positions `from..len` into `out` as f32
+    /// `[len - from, d]`.
+    fn gather_head(&self, h: usize, keys: bool, from: usize, out: &mut [f32]) {
         let d = self.geom.head_dim;
-        for (b, block) in self.blocks.iter().enumerate() {
-            let first = b * BLOCK_TOKENS;
-            if first >= self.len {
-                break;
-            }
-            let n = (self.len - first).min(BLOCK_TOKENS);
-            let src = if keys { &block.k } else { &block.v };
-            let o = self.offset(h, 0);
-            E::to_f32_slice(&src[o..o + n * d], &mut out[first * d..(first + n) * d]);
+        let mut scratch = vec![0f32; BLOCK_TOKENS * d];
+        if from < self.len {
+            self.for_each_block(h, keys, from, self.len - 1, &mut scratch, |j, x| {
+                out[(j - from) * d..(j - from + 1) * d].copy_from_slice(x);
+            });
         }
     }
 
@@ -213,12 +239,14 @@ impl<E: Element> DenseCache<E> {
             let b = j / BLOCK_TOKENS;
             let first = j % BLOCK_TOKENS;
             let n = (BLOCK_TOKENS - first).min(end + 1 - j);
-            let block = &self.blocks[b];
-            let src = if keys { &block.k } else { &block.v };
-            let o = self.offset(kh, first);
-            E::to_f32_slice(&src[o..o + n * d], &mut scratch[..n * d]);
-            for i in 0..n {
-                f(j + i, &scratch[i * d..(i + 1) * d]);
+            // Positions from `start` on are live (only blocks before every query's window go).
+            if let Some(block) = self.blocks.get(b).and_then(Option::as_ref) {
+                let src = if keys { &block.k } else { &block.v };
+                let o = self.offset(kh, first);
+                E::to_f32_slice(&src[o..o + n * d], &mut scratch[..n * d]);
+                for i in 0..n {
+                    f(j + i, &scratch[i * d..(i + 1) * d]);
+                }
             }
             j += n;
         }
@@ -234,19 +262,21 @@ impl<E: Element> DenseCache<E> {
             ..
         } = self.geom;
         let group = n_heads / n_kv_heads;
-        let len = self.len;
+        // Keys from the first position any of the rows sees.
+        let from = window_start(self.len - t, sliding_window);
+        let len = self.len - from;
         let mut kbuf = vec![0f32; n_kv_heads * len * d];
         let mut vbuf = vec![0f32; n_kv_heads * len * d];
         for h in 0..n_kv_heads {
-            self.gather_head(h, true, &mut kbuf[h * len * d..(h + 1) * len * d]);
-            self.gather_head(h, false, &mut vbuf[h * len * d..(h + 1) * len * d]);
+            self.gather_head(h, true, from, &mut kbuf[h * len * d..(h + 1) * len * d]);
+            self.gather_head(h, false, from, &mut vbuf[h * len * d..(h + 1) * len * d]);
         }
         let dev = q.device();
         let k = Tensor::from_vec(kbuf, (n_kv_heads, len, d), dev)?;
         let v = Tensor::from_vec(vbuf, (n_kv_heads, len, d), dev)?;
         let q = q.reshape((n_kv_heads, group * t, d))?;
         let scores = (q.matmul(&k.t()?)? * scale as f64)?;
-        let mask = causal_mask(t, len, sliding_window, dev)?;
+        let mask = causal_mask(t, self.len, from, sliding_window, dev)?;
         let scores = scores
             .reshape((n_kv_heads, group, t, len))?
             .broadcast_add(&mask)?;
@@ -256,19 +286,28 @@ impl<E: Element> DenseCache<E> {
     }
 }
 
-/// `[t, len]` additive mask: 0 where query row r (at position len - t + r) may see key j, else -inf.
-pub fn causal_mask(t: usize, len: usize, window: Option<usize>, dev: &Device) -> Result<Tensor> {
-    let mut m = vec![0f32; t * len];
+/// `[t, len - from]` additive mask over keys `from..len`: 0 where query row r (at position
+/// `len - t + r`) may see key `from + j`, else -inf.
+pub fn causal_mask(
+    t: usize,
+    len: usize,
+    from: usize,
+    window: Option<usize>,
+    dev: &Device,
+) -> Result<Tensor> {
+    let n = len - from;
+    let mut m = vec![0f32; t * n];
     for r in 0..t {
         let pos = len - t + r;
         let start = window_start(pos, window);
-        for (j, x) in m[r * len..(r + 1) * len].iter_mut().enumerate() {
-            if j > pos || j < start {
+        for (j, x) in m[r * n..(r + 1) * n].iter_mut().enumerate() {
+            let key = from + j;
+            if key > pos || key < start {
                 *x = f32::NEG_INFINITY;
             }
         }
     }
-    Ok(Tensor::from_vec(m, (t, len), dev)?)
+    Ok(Tensor::from_vec(m, (t, n), dev)?)
 }
 
 impl<E: Element> KvCache for DenseCache<E> {
@@ -277,21 +316,28 @@ impl<E: Element> KvCache for DenseCache<E> {
         let t = self.geom.check_append(self.len, k, v)?;
         let kd = E::read(k)?;
         let vd = E::read(v)?;
+        if let (Some(w), true) = (self.geom.sliding_window, self.roll) {
+            // The new rows' queries start at `len`: nothing before its window is read again.
+            self.release_before(window_start(self.len, Some(w)));
+        }
         let elems = self.block_elems();
         for i in 0..t {
             let pos = self.len + i;
             let (b, slot) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
-            if b == self.blocks.len() {
-                self.blocks.push(Block {
+            if b >= self.blocks.len() {
+                self.blocks.resize_with(b + 1, || None);
+            }
+            let block = self.blocks[b].get_or_insert_with(|| {
+                self.spare.take().unwrap_or_else(|| Block {
                     k: vec![E::ZERO; elems],
                     v: vec![E::ZERO; elems],
-                });
-            }
+                })
+            });
             for h in 0..kvh {
                 let src = (h * t + i) * d;
-                let dst = self.offset(h, slot);
-                self.blocks[b].k[dst..dst + d].copy_from_slice(&kd[src..src + d]);
-                self.blocks[b].v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
+                let dst = (h * BLOCK_TOKENS + slot) * d;
+                block.k[dst..dst + d].copy_from_slice(&kd[src..src + d]);
+                block.v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
             }
         }
         self.len += t;
@@ -315,15 +361,29 @@ impl<E: Element> KvCache for DenseCache<E> {
     fn resident_bytes(&self) -> usize {
         self.blocks
             .iter()
+            .flatten()
+            .chain(&self.spare)
             .map(|b| (b.k.capacity() + b.v.capacity()) * std::mem::size_of::<E>())
             .sum()
     }
 
     fn truncate(&mut self, n: usize) -> Result<()> {
-        if n < self.len {
-            self.len = n;
-            self.blocks.truncate(n.div_ceil(BLOCK_TOKENS));
+        if n >= self.len {
+            return Ok(());
         }
+        // A query at position n reads from its window start on: those blocks must still be here.
+        let needed = window_start(n, self.geom.sliding_window);
+        if self
+            .blocks
+            .get(needed / BLOCK_TOKENS)
+            .is_some_and(Option::is_none)
+        {
+            return Err(crate::CacheError::Shape(format!(
+                "cannot truncate to {n}: the rows from position {needed} left the sliding window"
+            )));
+        }
+        self.len = n;
+        self.blocks.truncate(n.div_ceil(BLOCK_TOKENS));
         Ok(())
     }
 

@@ -188,6 +188,7 @@ pub fn op_vs_reference(keys: Arc<dyn KeyCodec>, values: Arc<dyn ValueCodec>) -> 
         window: 16,
         sinks: 2,
         sliding_window: None,
+        code_first: 0,
     };
     let got = compressed_attend(&keys, &values, p, &tensor(&q, (h, t, d)), &kc, &vc)
         .unwrap()

@@ -168,6 +168,7 @@ pub fn assert_op_matches_reference(keys: Arc<dyn KeyCodec>, values: Arc<dyn Valu
         window: 16,
         sinks: 3,
         sliding_window: None,
+        code_first: 0,
     };
     let want = attend_reference(keys.as_ref(), values.as_ref(), p, &q, nh, &kc, &vc, kvh);
     let u8t = |x: &[u8], w: usize| {

@@ -142,6 +142,7 @@ fn op_matches_attend_reference() {
                 window,
                 sinks: 2,
                 sliding_window: None,
+                code_first: 0,
             };
             let got = compressed_attend(
                 &kc,
