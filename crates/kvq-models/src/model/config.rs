@@ -94,9 +94,21 @@ impl ModelConfig {
             .first()
             .cloned()
             .unwrap_or_else(|| hf.model_type.clone().unwrap_or_default());
+        // Mistral is Llama's decoder with a sliding attention window (`sliding_window`, null
+        // in the later releases); the caches honor it.
         let family = match arch.as_str() {
             "LlamaForCausalLM" | "llama" => "llama",
+            "MistralForCausalLM" | "mistral" => "mistral",
             other => return Err(ModelError::Unsupported(other.to_string())),
+        };
+        let sliding_window = match (family, hf.sliding_window) {
+            ("mistral", Some(0)) => {
+                return Err(ModelError::Invalid(
+                    "config.json: sliding_window must be positive".into(),
+                ));
+            }
+            ("mistral", w) => w,
+            _ => None,
         };
         if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
             tracing::warn!("config.json has rope_scaling, which kvq ignores for now");
@@ -117,7 +129,7 @@ impl ModelConfig {
             rope_theta: hf.rope_theta.unwrap_or(10_000.0),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_interleaved: false,
-            sliding_window: None,
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -157,6 +169,7 @@ struct HfConfig {
     rope_theta: Option<f32>,
     rms_norm_eps: Option<f64>,
     rope_scaling: Option<serde_json::Value>,
+    sliding_window: Option<usize>,
 }
 
 #[cfg(test)]
@@ -174,6 +187,29 @@ mod tests {
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.n_kv_heads, 2);
         assert!(!c.rope_interleaved);
+    }
+
+    #[test]
+    fn hf_config_parses_mistral_and_its_sliding_window() {
+        let base = r#""hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"max_position_embeddings":4096"#;
+        let with = |w: &str| {
+            ModelConfig::from_hf_json(&format!(
+                r#"{{"architectures":["MistralForCausalLM"],"sliding_window":{w},{base}}}"#
+            ))
+        };
+        let c = with("256").unwrap();
+        assert_eq!(
+            (c.architecture.as_str(), c.sliding_window),
+            ("mistral", Some(256))
+        );
+        assert_eq!(with("null").unwrap().sliding_window, None);
+        assert!(matches!(with("0"), Err(ModelError::Invalid(_))));
+        // Llama ignores a stray sliding_window.
+        let llama = ModelConfig::from_hf_json(&format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"sliding_window":8,{base}}}"#
+        ))
+        .unwrap();
+        assert_eq!(llama.sliding_window, None);
     }
 
     #[test]
