@@ -6,7 +6,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use kvq_models::Tokenizer;
 use kvq_models::model::ModelConfig;
-use kvq_models::model::weights::hf_name;
+use kvq_models::model::arch::llama::hf_name;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -55,7 +55,7 @@ pub fn export(gguf: &Path, dir: &Path) -> Result<(), Box<dyn std::error::Error>>
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.context_length,
         "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": tied,
         "torch_dtype": "float32",
     });

@@ -1,7 +1,8 @@
 //! Shared fixtures for the end-to-end tests: where the real models are, a loaded default model,
-//! the GGUF to Hugging Face directory conversion, a spawned `kvq serve`, and keys captured from
-//! the model.
+//! the GGUF to Hugging Face directory conversion, a spawned `kvq serve`, keys captured from the
+//! model, and random checkpoints of the architectures without reachable weights.
 
+pub mod checkpoints;
 pub mod hf_export;
 pub mod real_keys;
 pub mod server;

@@ -11,10 +11,8 @@ use criterion::{Criterion, black_box, criterion_group, criterion_main};
 use kvq_cache::compressed::KeyCodec;
 use kvq_cache::methods::turboquant_mse::MseCodec;
 use kvq_cache::methods::turboquant_mse::kernel::{self, Isa, Rows, Table};
-use kvq_cache::methods::vecinfer::calibration::VecInferCalibration;
-use kvq_cache::registry::CalibrationSource;
+use kvq_cache::methods::vecinfer::calibration::{FixedCalibration, VecInferCalibration};
 use kvq_cache::{CacheGeometry, CacheRegistry, CacheSpec, KvCache};
-use std::any::Any;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,19 +39,9 @@ fn floats(n: usize, seed: u64) -> Vec<f32> {
 /// The registry, with random VecInfer codebooks (timing only: a real calibration has the same
 /// shapes and costs).
 fn registry() -> CacheRegistry {
-    struct Random(Arc<VecInferCalibration>);
-    impl CalibrationSource for Random {
-        fn calibration(
-            &self,
-            _method: &str,
-            _params: &toml::Table,
-        ) -> kvq_cache::Result<Arc<dyn Any + Send + Sync>> {
-            Ok(self.0.clone())
-        }
-    }
     let mut r = CacheRegistry::builtin();
     let cal = VecInferCalibration::random(1, KV_HEADS, D, 3);
-    r.set_calibration(Arc::new(Random(Arc::new(cal))));
+    r.set_calibration(Arc::new(FixedCalibration(Arc::new(cal))));
     r
 }
 

@@ -1,6 +1,6 @@
 //! Finds and loads a model: a GGUF file or a Hugging Face directory, into a `LoadedModel`.
 
-use crate::model::{GgufWeights, Model, ModelConfig, SafetensorsWeights};
+use crate::model::{Family, GgufWeights, Model, ModelConfig, SafetensorsWeights};
 use crate::{ChatTemplate, ModelError, Result, Tokenizer};
 use candle_core::Device;
 use std::path::{Path, PathBuf};
@@ -192,7 +192,7 @@ fn load_hf_dir(
             dir.display()
         )));
     }
-    let mut weights = SafetensorsWeights::open(&files, device)?;
+    let mut weights = SafetensorsWeights::open(&files, device, Family::of(&cfg)?)?;
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
     let id = dir
         .file_name()

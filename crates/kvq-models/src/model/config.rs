@@ -18,12 +18,17 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     pub context_length: usize,
     pub rope_theta: f32,
-    pub rms_norm_eps: f64,
+    /// Epsilon of the layer norms (RMS or LayerNorm, as the architecture has).
+    pub norm_eps: f64,
     /// True when the q/k weights are laid out for interleaved (GPT-J style) rotary pairs, as
     /// llama.cpp's converter permutes them; false for Hugging Face's rotate-half layout.
     pub rope_interleaved: bool,
     /// Sliding attention window, if the architecture has one.
     pub sliding_window: Option<usize>,
+    /// Attention and MLP read the layer input and add to the residual together (Falcon).
+    pub parallel_residual: bool,
+    /// The MLP activation as the config names it (`silu`, `gelu`, ...).
+    pub activation: String,
 }
 
 fn md<'a>(c: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
@@ -77,9 +82,11 @@ impl ModelConfig {
             vocab_size,
             context_length: md_usize(c, &p("context_length"))?,
             rope_theta: md_f32(c, &p("rope.freq_base")).unwrap_or(10_000.0),
-            rms_norm_eps: md_f32(c, &p("attention.layer_norm_rms_epsilon"))? as f64,
+            norm_eps: md_f32(c, &p("attention.layer_norm_rms_epsilon"))? as f64,
             rope_interleaved: true,
             sliding_window: None,
+            parallel_residual: false,
+            activation: "silu".into(),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -87,13 +94,23 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self> {
-        let hf: HfConfig = serde_json::from_str(text)
+        let head: ArchOnly = serde_json::from_str(text)
             .map_err(|e| ModelError::Invalid(format!("config.json: {e}")))?;
-        let arch = hf
+        let arch = head
             .architectures
             .first()
             .cloned()
-            .unwrap_or_else(|| hf.model_type.clone().unwrap_or_default());
+            .unwrap_or_else(|| head.model_type.clone().unwrap_or_default());
+        if matches!(
+            arch.as_str(),
+            "FalconForCausalLM" | "RWForCausalLM" | "falcon"
+        ) {
+            let cfg = super::arch::falcon::config(text)?;
+            cfg.validate()?;
+            return Ok(cfg);
+        }
+        let hf: HfConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::Invalid(format!("config.json: {e}")))?;
         // Mistral is Llama's decoder with a sliding attention window (`sliding_window`, null
         // in the later releases); the caches honor it.
         let family = match arch.as_str() {
@@ -127,9 +144,11 @@ impl ModelConfig {
             vocab_size: hf.vocab_size,
             context_length: hf.max_position_embeddings,
             rope_theta: hf.rope_theta.unwrap_or(10_000.0),
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_interleaved: false,
             sliding_window,
+            parallel_residual: false,
+            activation: hf.hidden_act.unwrap_or_else(|| "silu".into()),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -153,11 +172,16 @@ impl ModelConfig {
     }
 }
 
+/// The fields that pick the parser.
 #[derive(Deserialize)]
-struct HfConfig {
+struct ArchOnly {
     #[serde(default)]
     architectures: Vec<String>,
     model_type: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
     hidden_size: usize,
     intermediate_size: usize,
     num_hidden_layers: usize,
@@ -170,6 +194,7 @@ struct HfConfig {
     rms_norm_eps: Option<f64>,
     rope_scaling: Option<serde_json::Value>,
     sliding_window: Option<usize>,
+    hidden_act: Option<String>,
 }
 
 #[cfg(test)]

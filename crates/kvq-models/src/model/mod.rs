@@ -1,10 +1,14 @@
-//! The decoder-only transformer (Llama family): one definition for quantized and dense weights,
-//! batched over sequences, with attention delegated to each sequence's `KvCache`.
+//! The decoder-only transformer: one forward pass for every architecture family (their layers
+//! are assembled from the pieces in `layers`, by the files in `arch`), for quantized and dense
+//! weights alike, batched over sequences, with attention delegated to each sequence's `KvCache`.
 
+pub mod arch;
 pub mod config;
+pub mod layers;
 pub mod q4_1;
 pub mod weights;
 
+pub use arch::Family;
 pub use config::ModelConfig;
 pub use weights::{
     DEQUANT_MIN_ROWS, Embedding, GgufWeights, Linear, SafetensorsWeights, WeightSource,
@@ -13,19 +17,7 @@ pub use weights::{
 use crate::{ModelError, Result};
 use candle_core::{D, DType, Device, Tensor};
 use kvq_cache::{CacheFactory, CacheGeometry, LayerCaches};
-
-/// One decoder layer's weights.
-struct Layer {
-    attn_norm: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    wo: Linear,
-    ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
+use layers::{Layer, Norm};
 
 /// A sequence's share of a batched forward pass.
 pub struct SeqStep<'a> {
@@ -42,7 +34,7 @@ pub struct Model {
     cfg: ModelConfig,
     embed: Embedding,
     layers: Vec<Layer>,
-    norm: Tensor,
+    norm: Norm,
     output: Linear,
     cos: Tensor,
     sin: Tensor,
@@ -57,26 +49,16 @@ impl Model {
         device: &Device,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
+        let family = Family::of(&cfg)?;
         let total = cfg.n_layers as u64 + 2;
         let embed = weights.embedding("token_embd.weight")?;
         progress(1, total);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
-            let p = |n: &str| format!("blk.{i}.{n}");
-            layers.push(Layer {
-                attn_norm: weights.dense(&p("attn_norm.weight"))?,
-                wq: weights.linear(&p("attn_q"))?,
-                wk: weights.linear(&p("attn_k"))?,
-                wv: weights.linear(&p("attn_v"))?,
-                wo: weights.linear(&p("attn_output"))?,
-                ffn_norm: weights.dense(&p("ffn_norm.weight"))?,
-                gate: weights.linear(&p("ffn_gate"))?,
-                up: weights.linear(&p("ffn_up"))?,
-                down: weights.linear(&p("ffn_down"))?,
-            });
+            layers.push(family.layer(&cfg, weights, i)?);
             progress(i as u64 + 2, total);
         }
-        let norm = weights.dense("output_norm.weight")?;
+        let norm = family.final_norm(&cfg, weights)?;
         let output = if weights.contains("output.weight") {
             weights.linear("output")?
         } else {
@@ -164,10 +146,8 @@ impl Model {
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps as f32)?;
-            let q = layer.wq.forward_split(&h, dense_rows)?;
-            let k = layer.wk.forward_split(&h, dense_rows)?;
-            let v = layer.wv.forward_split(&h, dense_rows)?;
+            let h = layer.attn_norm.forward(&x)?;
+            let (q, k, v) = layer.qkv.project(&h, dense_rows, nh, nkv, hd)?;
             let mut outs = Vec::with_capacity(steps.len());
             for (s, &(off, t, pos)) in steps.iter_mut().zip(&spans) {
                 let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
@@ -194,12 +174,7 @@ impl Model {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            x = (x + layer.wo.forward_split(&attn, dense_rows)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps as f32)?;
-            let g = candle_nn::ops::silu(&layer.gate.forward_split(&h, dense_rows)?)?;
-            let up = layer.up.forward_split(&h, dense_rows)?;
-            let m = layer.down.forward_split(&(g * up)?, dense_rows)?;
-            x = (x + m)?;
+            x = layer.finish(&x, h, &attn, dense_rows)?;
         }
         let mut rows = Vec::new();
         for (s, &(off, t, _)) in steps.iter().zip(&spans) {
@@ -211,7 +186,7 @@ impl Model {
         }
         let nrows = rows.len();
         let sel = x.index_select(&Tensor::from_vec(rows, nrows, &self.device)?, 0)?;
-        let sel = candle_nn::ops::rms_norm(&sel, &self.norm, cfg.rms_norm_eps as f32)?;
+        let sel = self.norm.forward(&sel)?;
         let logits = self.output.forward(&sel)?.to_dtype(DType::F32)?;
         let mut out = Vec::with_capacity(steps.len());
         let mut r = 0;

@@ -1,6 +1,7 @@
 //! Where weights come from: GGUF (quantized, kept quantized) or safetensors (f32/f16/bf16, held as
 //! f32), behind one `WeightSource` so a single model definition serves both.
 
+use super::arch::Family;
 use super::q4_1::Q41Weight;
 use crate::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
@@ -196,11 +197,12 @@ pub struct SafetensorsWeights {
     st: candle_core::safetensors::MmapedSafetensors,
     device: Device,
     count: usize,
+    family: Family,
 }
 
 impl SafetensorsWeights {
-    /// Memory-maps every `*.safetensors` file in `paths`.
-    pub fn open(paths: &[PathBuf], device: &Device) -> Result<Self> {
+    /// Memory-maps every `*.safetensors` file in `paths`, named as `family` names its tensors.
+    pub fn open(paths: &[PathBuf], device: &Device, family: Family) -> Result<Self> {
         // SAFETY: the files are memory-mapped read-only; kvq never writes to model files while
         // serving, and the mapping lives as long as this struct.
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(paths)? };
@@ -209,12 +211,25 @@ impl SafetensorsWeights {
             st,
             device: device.clone(),
             count,
+            family,
         })
     }
 
+    /// The Hugging Face name under which the files hold `gguf_name`, if they do.
+    fn find(&self, gguf_name: &str) -> Option<String> {
+        self.family
+            .hf_names(gguf_name)
+            .into_iter()
+            .find(|n| self.st.get(n).is_ok())
+    }
+
     fn get(&self, gguf_name: &str) -> Result<Tensor> {
-        let hf = hf_name(gguf_name).ok_or_else(|| {
-            ModelError::Invalid(format!("no Hugging Face name for tensor '{gguf_name}'"))
+        let hf = self.find(gguf_name).ok_or_else(|| {
+            let names = self.family.hf_names(gguf_name);
+            ModelError::Invalid(match names.is_empty() {
+                true => format!("no Hugging Face name for tensor '{gguf_name}'"),
+                false => format!("the safetensors lack '{}'", names.join("' or '")),
+            })
         })?;
         let t = self
             .st
@@ -226,7 +241,7 @@ impl SafetensorsWeights {
 
 impl WeightSource for SafetensorsWeights {
     fn contains(&self, name: &str) -> bool {
-        hf_name(name).is_some_and(|n| self.st.get(&n).is_ok())
+        self.find(name).is_some()
     }
 
     fn linear(&mut self, prefix: &str) -> Result<Linear> {
@@ -250,53 +265,5 @@ impl WeightSource for SafetensorsWeights {
 
     fn len(&self) -> usize {
         self.count
-    }
-}
-
-/// Maps a GGUF tensor name to its Hugging Face (transformers) name.
-pub fn hf_name(gguf: &str) -> Option<String> {
-    let (stem, suffix) = gguf.rsplit_once('.')?;
-    let top = match stem {
-        "token_embd" => Some("model.embed_tokens"),
-        "output_norm" => Some("model.norm"),
-        "output" => Some("lm_head"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some(format!("{t}.{suffix}"));
-    }
-    let rest = stem.strip_prefix("blk.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let hf_part = match part {
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf_part}.{suffix}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::hf_name;
-
-    #[test]
-    fn maps_gguf_names_to_hf() {
-        assert_eq!(
-            hf_name("blk.12.attn_q.weight").as_deref(),
-            Some("model.layers.12.self_attn.q_proj.weight")
-        );
-        assert_eq!(
-            hf_name("token_embd.weight").as_deref(),
-            Some("model.embed_tokens.weight")
-        );
-        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
-        assert_eq!(hf_name("blk.1.unknown.weight"), None);
     }
 }

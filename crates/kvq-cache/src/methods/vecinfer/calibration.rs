@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Version of the file layout.
 pub const FORMAT: u32 = 1;
@@ -100,6 +101,23 @@ fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     write(&tmp)?;
     std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
+}
+
+/// A calibration source that always answers with one calibration (one loaded from a file, or
+/// random codebooks in benches and tests).
+pub struct FixedCalibration(pub Arc<VecInferCalibration>);
+
+impl crate::registry::CalibrationSource for FixedCalibration {
+    fn calibration(
+        &self,
+        method: &str,
+        _params: &toml::Table,
+    ) -> Result<Arc<dyn std::any::Any + Send + Sync>> {
+        if method != super::METHOD {
+            return Err(bad(format!("no calibration is held for method '{method}'")));
+        }
+        Ok(self.0.clone())
+    }
 }
 
 impl VecInferCalibration {

@@ -4,7 +4,9 @@
 //! prefill, the calibration file round trip and the registry entry. Attention on real SmolLM2
 //! keys is tested in tests/tests/vecinfer.rs.
 
-use super::calibration::{CalibrationMeta, FORMAT, Smoothing, TrainOptions, train_layer, utc_now};
+use super::calibration::{
+    CalibrationMeta, FORMAT, FixedCalibration, Smoothing, TrainOptions, train_layer, utc_now,
+};
 use super::capture::{CaptureFactory, LayerCapture};
 use super::*;
 use crate::attention::attention_reference;
@@ -373,19 +375,6 @@ fn calibration_file_round_trips_and_rejects_another_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-struct Fixed(Arc<VecInferCalibration>);
-
-impl CalibrationSource for Fixed {
-    fn calibration(
-        &self,
-        method: &str,
-        _: &toml::Table,
-    ) -> Result<Arc<dyn std::any::Any + Send + Sync>> {
-        assert_eq!(method, METHOD);
-        Ok(self.0.clone())
-    }
-}
-
 #[test]
 fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     let params = toml::Table::new();
@@ -399,7 +388,7 @@ fn registry_entry_needs_a_calibration_and_maps_bits_to_sub_dim() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("kvq calibrate"), "{err}");
-    let src: Arc<dyn CalibrationSource> = Arc::new(Fixed(calibration()));
+    let src: Arc<dyn CalibrationSource> = Arc::new(FixedCalibration(calibration()));
     for (bits, code) in [(Some(1), 8), (Some(2), 16), (None, 16)] {
         let f = (e.build)(&BuildArgs {
             request_bits: bits,
