@@ -59,9 +59,13 @@ impl ModelConfig {
             .to_string()
             .map_err(|e| ModelError::Invalid(e.to_string()))?
             .clone();
-        if arch != "llama" {
-            return Err(ModelError::Unsupported(arch));
-        }
+        // llama.cpp permutes Llama's q/k rows for interleaved rotary pairs; Qwen2 (Llama's layer
+        // with q/k/v biases, which the Llama layer reads when present) keeps rotate-half order.
+        let rope_interleaved = match arch.as_str() {
+            "llama" => true,
+            "qwen2" => false,
+            _ => return Err(ModelError::Unsupported(arch)),
+        };
         let p = |k: &str| format!("{arch}.{k}");
         let hidden_size = md_usize(c, &p("embedding_length"))?;
         let n_heads = md_usize(c, &p("attention.head_count"))?;
@@ -83,7 +87,7 @@ impl ModelConfig {
             context_length: md_usize(c, &p("context_length"))?,
             rope_theta: md_f32(c, &p("rope.freq_base")).unwrap_or(10_000.0),
             norm_eps: md_f32(c, &p("attention.layer_norm_rms_epsilon"))? as f64,
-            rope_interleaved: true,
+            rope_interleaved,
             sliding_window: None,
             parallel_residual: false,
             activation: "silu".into(),

@@ -1,6 +1,6 @@
 //! Llama's decoder layer (RMS norms, separate q/k/v projections with optional biases, SwiGLU MLP,
-//! sequential residuals), also Mistral's (the sliding window lives in the caches) and that of
-//! Llama-architecture models such as Falcon3 (head_dim 256).
+//! sequential residuals), also Mistral's (the sliding window lives in the caches), Qwen2's (the
+//! q/k/v biases) and that of Llama-architecture models such as Falcon3 (head_dim 256).
 
 use crate::model::config::ModelConfig;
 use crate::model::layers::{Activation, Layer, Mlp, Norm, Qkv};

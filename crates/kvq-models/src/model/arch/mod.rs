@@ -14,7 +14,8 @@ use crate::{ModelError, Result};
 /// A family of architectures that share one layer layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
-    /// Llama, Mistral (sliding window) and Llama-architecture models such as Falcon3.
+    /// Llama, Mistral (sliding window), Qwen2 (q/k/v biases) and Llama-architecture models such
+    /// as Falcon3.
     Llama,
     /// Falcon-7B/40B/180B (`FalconForCausalLM`).
     Falcon,
@@ -24,7 +25,7 @@ impl Family {
     /// The family of `cfg.architecture`.
     pub fn of(cfg: &ModelConfig) -> Result<Self> {
         match cfg.architecture.as_str() {
-            "llama" | "mistral" => Ok(Self::Llama),
+            "llama" | "mistral" | "qwen2" => Ok(Self::Llama),
             "falcon" => Ok(Self::Falcon),
             other => Err(ModelError::Unsupported(other.to_string())),
         }
