@@ -4,9 +4,9 @@
 //! compressed positions only; the cache merges it with its fp16 rows with [`merge_partial`].
 
 use crate::codec::{KeyCodec, ValueCodec};
+use crate::pool::for_each_row;
 use crate::storage::{f32_rows, u8_rows};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Where each query row's compressed positions lie.
@@ -182,7 +182,15 @@ impl CustomOp3 for AttendOp {
             bail!("attend: rows need {r1_last} codes, {} given", k.rows)
         }
         let mut out = vec![0f32; nh * t * (d + 2)];
-        let work = |(i, o): (usize, &mut [f32])| {
+        // Parallel when there is real work (long ranges or many rows); decode of a short context
+        // stays on the calling thread.
+        let rows = nh * t;
+        let min_parallel = if rows * r1_last.max(1) >= 8192 {
+            2
+        } else {
+            usize::MAX
+        };
+        for_each_row(&mut out, d + 2, min_parallel, |i, o| {
             let (h, r) = (i / t, i % t);
             let kh = h / group;
             let (r0, r1) = self.p.code_rows(self.p.first_pos + r);
@@ -194,14 +202,7 @@ impl CustomOp3 for AttendOp {
                 v.range(kh, r0, r1),
                 o,
             );
-        };
-        // Parallel when there is real work (long ranges or many rows); decode of a short context
-        // stays on the calling thread.
-        if nh * t * r1_last.max(1) >= 8192 {
-            out.par_chunks_mut(d + 2).enumerate().for_each(work);
-        } else {
-            out.chunks_mut(d + 2).enumerate().for_each(work);
-        }
+        });
         Ok((CpuStorage::F32(out), Shape::from((nh, t, d + 2))))
     }
 }

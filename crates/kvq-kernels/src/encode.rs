@@ -2,9 +2,9 @@
 //! one row per token and head, rows encoded in parallel.
 
 use crate::codec::{KeyCodec, ValueCodec};
+use crate::pool::for_each_row;
 use crate::storage::f32_rows;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Rows below this count are encoded on the calling thread (spawning costs more).
@@ -47,15 +47,10 @@ impl CustomOp1 for EncodeOp {
         }
         let (heads, t) = (x.heads, x.rows);
         let mut out = vec![0u8; heads * t * cb];
-        let work = |(i, code): (usize, &mut [u8])| {
+        for_each_row(&mut out, cb, PARALLEL_ROWS, |i, code| {
             let (h, r) = (i / t.max(1), i % t.max(1));
             self.0.encode(h, x.range(h, r, r + 1), code);
-        };
-        if heads * t >= PARALLEL_ROWS {
-            out.par_chunks_mut(cb).enumerate().for_each(work);
-        } else {
-            out.chunks_mut(cb).enumerate().for_each(work);
-        }
+        });
         Ok((CpuStorage::U8(out), Shape::from((heads, t, cb))))
     }
 }

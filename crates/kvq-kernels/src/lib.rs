@@ -17,6 +17,7 @@ mod codec;
 mod encode;
 mod math;
 mod nearest;
+mod pool;
 mod storage;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
