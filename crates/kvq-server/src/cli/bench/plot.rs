@@ -50,7 +50,8 @@ struct Series {
     values: [Vec<Option<f64>>; 2],
 }
 
-/// The tab10 palette without the orange and red kept for llama.cpp.
+/// The tab20 palette without the oranges and reds kept for llama.cpp: sixteen distinct colors,
+/// so a run of every method and preset repeats none.
 const COLORS: &[RGBColor] = &[
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
@@ -60,6 +61,14 @@ const COLORS: &[RGBColor] = &[
     RGBColor(127, 127, 127),
     RGBColor(188, 189, 34),
     RGBColor(23, 190, 207),
+    RGBColor(174, 199, 232),
+    RGBColor(152, 223, 138),
+    RGBColor(197, 176, 213),
+    RGBColor(196, 156, 148),
+    RGBColor(247, 182, 210),
+    RGBColor(199, 199, 199),
+    RGBColor(219, 219, 141),
+    RGBColor(158, 218, 229),
 ];
 const LLAMA_COLORS: &[RGBColor] = &[RGBColor(255, 127, 14), RGBColor(214, 39, 40)];
 

@@ -9,7 +9,7 @@ mod ppl;
 mod tests;
 
 use super::model::{load_with_progress, resolve_model_path};
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
 use clap::Args;
 use comfy_table::{Cell, CellAlignment, Table, presets::ASCII_MARKDOWN};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -30,8 +30,8 @@ pub struct EvalArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// The text to score (UTF-8), tokenized whole once.
-    #[arg(long)]
-    pub text: PathBuf,
+    #[arg(long, required_unless_present = "replot")]
+    pub text: Option<PathBuf>,
     /// Tokens per chunk (llama-perplexity's `-c`); the second half of each chunk is scored.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
@@ -60,6 +60,10 @@ pub struct EvalArgs {
     /// /usr/share/fonts; env KVQ_PLOT_FONT).
     #[arg(long, env = "KVQ_PLOT_FONT")]
     pub plot_font: Option<PathBuf>,
+    /// Draw `--plot` from the rows of an earlier `--json` instead of evaluating (give the
+    /// `--ctx` it was made at, for llama.cpp's q4_0 reference line).
+    #[arg(long, requires = "plot", conflicts_with = "text")]
+    pub replot: Option<PathBuf>,
 }
 
 /// One method's result, as `--json` writes it (exactly these keys).
@@ -135,13 +139,32 @@ pub fn parse_methods(list: &[String], registry: &CacheRegistry) -> anyhow::Resul
 }
 
 pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
+    if let (Some(json), Some(out)) = (&args.replot, &args.plot) {
+        let text = std::fs::read_to_string(json)
+            .with_context(|| format!("could not read {}", json.display()))?;
+        let rows: Vec<EvalRow> = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a `kvq eval --json` file", json.display()))?;
+        let font = super::bench::plot::find_font(args.plot_font.as_deref())?;
+        let title = format!(
+            "perplexity vs KV cache bits, ctx {} (from {})",
+            args.ctx,
+            json.display()
+        );
+        plot::draw(&rows, out, &font, &title, args.ctx)
+            .with_context(|| format!("could not draw the plot {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+        return Ok(());
+    }
+    let Some(text_path) = &args.text else {
+        bail!("--text is needed unless --replot is given");
+    };
     let path = resolve_model_path(args.model.clone())?;
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
     let mut registry = registry_for(&path);
     super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     let methods = parse_methods(&args.methods, &registry)?;
-    let text = std::fs::read_to_string(&args.text)
-        .with_context(|| format!("could not read {}", args.text.display()))?;
+    let text = std::fs::read_to_string(text_path)
+        .with_context(|| format!("could not read {}", text_path.display()))?;
     // Find the plot's font before the long run, not after it.
     let font = match &args.plot {
         Some(_) => Some(super::bench::plot::find_font(args.plot_font.as_deref())?),
@@ -235,7 +258,7 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let (Some(path), Some(font)) = (&args.plot, &font) {
         let title =
             format!("{model_id}: perplexity vs KV cache bits, ctx {ctx}, {n_chunks} chunks");
-        plot::draw(&rows, path, font, &title)
+        plot::draw(&rows, path, font, &title, ctx)
             .with_context(|| format!("could not draw the plot {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }

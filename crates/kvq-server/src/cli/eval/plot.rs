@@ -1,5 +1,6 @@
 //! The PNG of `kvq eval --plot`: perplexity delta vs fp16 (y) against KV cache bits per element
-//! (x), one labelled point per method, with llama.cpp's q4_0 cache as a reference line.
+//! (x), one numbered point per method (the numbers listed at the top right), with llama.cpp's
+//! q4_0 cache at the same context as a reference line.
 
 use super::EvalRow;
 use crate::cli::bench::plot::register_font;
@@ -7,9 +8,17 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use std::path::Path;
 
-/// llama.cpp's q4_0 KV cache on SmolLM2-135M, measured here (DESIGN.md "Bars"): +15.6% PPL at
-/// 4.5 bits per element.
-const Q4_0_DELTA_PCT: f64 = 15.6;
+/// llama.cpp's q4_0 KV cache (keys and values, 4.5 bits per element) on SmolLM2-135M and the
+/// evaluation text, as a PPL change against its f16 cache at the same context: +15.6% at 512
+/// (DESIGN.md "Bars"), +4.31% at 2048 (`llama-perplexity -c 2048 -ctk q4_0 -ctv q4_0 -fa on`:
+/// 31.9170 against f16's 30.5973, docs/benchmarks/quality.md). None for other contexts.
+pub fn q4_0_delta_pct(ctx: usize) -> Option<f64> {
+    match ctx {
+        512 => Some(15.6),
+        2048 => Some(4.31),
+        _ => None,
+    }
+}
 const Q4_0_BITS: f64 = 4.5;
 
 const POINT: RGBColor = RGBColor(31, 119, 180);
@@ -26,7 +35,13 @@ fn text_width(text: &str, size: u32) -> i32 {
     (text.chars().count() as f64 * f64::from(size) * 0.55) as i32
 }
 
-pub fn draw(rows: &[EvalRow], path: &Path, font: &Path, title: &str) -> anyhow::Result<()> {
+pub fn draw(
+    rows: &[EvalRow],
+    path: &Path,
+    font: &Path,
+    title: &str,
+    ctx: usize,
+) -> anyhow::Result<()> {
     register_font(font)?;
     let xs: Vec<f64> = rows.iter().map(total_bits).collect();
     let ys: Vec<f64> = rows.iter().map(|r| r.delta_pct).collect();
@@ -36,9 +51,10 @@ pub fn draw(rows: &[EvalRow], path: &Path, font: &Path, title: &str) -> anyhow::
             .filter(|x| x.is_finite())
             .collect::<Vec<_>>()
     };
+    let q4_0 = q4_0_delta_pct(ctx);
     let x_max = finite(&xs).into_iter().fold(Q4_0_BITS, f64::max).max(1.0) * 1.08;
     let y_lo = finite(&ys).into_iter().fold(0.0, f64::min);
-    let y_hi = finite(&ys).into_iter().fold(Q4_0_DELTA_PCT, f64::max);
+    let y_hi = finite(&ys).into_iter().fold(q4_0.unwrap_or(0.0), f64::max);
     let pad = (y_hi - y_lo).max(1.0) * 0.1;
     let (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
 
@@ -66,46 +82,54 @@ pub fn draw(rows: &[EvalRow], path: &Path, font: &Path, title: &str) -> anyhow::
         vec![(0.0, 0.0), (x_max, 0.0)],
         BASE.stroke_width(1),
     )))?;
-    chart.draw_series(std::iter::once(DashedPathElement::new(
-        vec![(0.0, Q4_0_DELTA_PCT), (x_max, Q4_0_DELTA_PCT)],
-        10,
-        6,
-        REFERENCE.stroke_width(2),
-    )))?;
-    let reference = format!("llama.cpp q4_0 cache: {Q4_0_DELTA_PCT:+.1}% at {Q4_0_BITS} bits/elem");
-    chart.draw_series(std::iter::once(
-        EmptyElement::at((0.0, Q4_0_DELTA_PCT))
-            + Text::new(
-                reference,
-                (8, -22),
-                ("sans-serif", 15).into_font().color(&REFERENCE),
-            ),
-    ))?;
-    chart.draw_series(std::iter::once(
-        EmptyElement::at((Q4_0_BITS, Q4_0_DELTA_PCT))
-            + Cross::new((0, 0), 7, REFERENCE.stroke_width(2)),
-    ))?;
+    if let Some(q) = q4_0 {
+        chart.draw_series(std::iter::once(DashedPathElement::new(
+            vec![(0.0, q), (x_max, q)],
+            10,
+            6,
+            REFERENCE.stroke_width(2),
+        )))?;
+        let reference =
+            format!("llama.cpp q4_0 cache at ctx {ctx}: {q:+.2}% at {Q4_0_BITS} bits/elem");
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((0.0, q))
+                + Text::new(
+                    reference,
+                    (8, -22),
+                    ("sans-serif", 15).into_font().color(&REFERENCE),
+                ),
+        ))?;
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((Q4_0_BITS, q)) + Cross::new((0, 0), 7, REFERENCE.stroke_width(2)),
+        ))?;
+    }
 
-    // One labelled point per method; labels go left of points in the right part of the plot.
+    // One numbered point per method; the numbers are explained in a list at the top right,
+    // where no point falls (labels beside crowded points would overlap).
+    let mut legend = Vec::new();
     for (row, (&x, &y)) in rows.iter().zip(xs.iter().zip(&ys)) {
         if !(x.is_finite() && y.is_finite()) {
             continue;
         }
-        let label = format!("{} ({:.2} b, {:+.2}%)", row.method, x, y);
-        let size = 15;
-        let dx = if x > x_max * 0.6 {
-            -12 - text_width(&label, size)
-        } else {
-            10
-        };
+        let n = legend.len() + 1;
+        legend.push(format!("{n}  {} ({x:.2} b, {y:+.2}%)", row.method));
         chart.draw_series(std::iter::once(
             EmptyElement::at((x, y))
                 + Circle::new((0, 0), 6, POINT.filled())
                 + Text::new(
-                    label,
-                    (dx, -20),
-                    ("sans-serif", size).into_font().color(&BLACK),
+                    n.to_string(),
+                    (7, -18),
+                    ("sans-serif", 14).into_font().color(&BLACK),
                 ),
+        ))?;
+    }
+    let (w, _) = root.dim_in_pixel();
+    let x0 = w as i32 - 24 - legend.iter().map(|l| text_width(l, 14)).max().unwrap_or(0);
+    for (i, line) in legend.iter().enumerate() {
+        root.draw(&Text::new(
+            line.clone(),
+            (x0, 70 + 19 * i as i32),
+            ("sans-serif", 14).into_font().color(&BLACK),
         ))?;
     }
     root.present()?;
