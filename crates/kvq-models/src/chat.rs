@@ -12,6 +12,10 @@ use crate::{ModelError, Result};
 const TEMPLATE_NAME: &str = "chat";
 
 /// Plain ChatML, for models that ship no template.
+/// Gemma's turns (`<start_of_turn>user|model\n...<end_of_turn>\n`), for Gemma GGUFs that carry no
+/// template; a system message goes before the first user message, as Gemma's own template does.
+pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + message['content'] | trim + '<end_of_turn>\n' }}{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
+
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// One turn of a conversation, as templates see it (`message['role']`, `message.content`).
@@ -121,6 +125,13 @@ impl ChatTemplate {
         // The source is a constant that the tests compile.
         Self::new(CHATML_TEMPLATE, None, Some("<|im_end|>"))
             .expect("the built-in ChatML template compiles")
+    }
+
+    /// Gemma's turns, for Gemma models without a template.
+    pub fn gemma(bos_token: Option<&str>) -> ChatTemplate {
+        // The source is a constant that the tests compile.
+        Self::new(GEMMA_TEMPLATE, bos_token, Some("<end_of_turn>"))
+            .expect("the built-in Gemma template compiles")
     }
 
     /// The tokenizer's own template (GGUF `tokenizer.chat_template` or tokenizer_config.json),
@@ -449,6 +460,22 @@ mod tests {
         assert_eq!(prompt, SMOLLM2_EXPECTED);
         let ids = tok.encode(&prompt, true).unwrap();
         assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
+    }
+
+    #[test]
+    fn gemma_turns_fold_the_system_message_into_the_first_user_turn() {
+        let t = ChatTemplate::gemma(Some("<bos>"));
+        let msgs = [
+            ChatMessage::new("system", "S"),
+            user("U "),
+            ChatMessage::new("assistant", "A"),
+            user("V"),
+        ];
+        assert_eq!(
+            t.render(&msgs, true).unwrap(),
+            "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n\
+             <start_of_turn>user\nV<end_of_turn>\n<start_of_turn>model\n"
+        );
     }
 
     #[test]

@@ -120,6 +120,11 @@ fn info(cfg: &ModelConfig, id: String, source: &Path) -> ModelInfo {
 fn template_or_chatml(source: Option<&str>, tok: &Tokenizer) -> Result<ChatTemplate> {
     match source {
         Some(src) => ChatTemplate::new(src, tok.bos_token(), tok.eos_token()),
+        // Gemma GGUFs may come without a template; their vocabulary names their turns.
+        None if tok.token_to_id("<start_of_turn>").is_some() => {
+            tracing::warn!("the model has no chat template; using Gemma's turns");
+            Ok(ChatTemplate::gemma(tok.bos_token()))
+        }
         None => {
             tracing::warn!("the model has no chat template; using ChatML");
             Ok(ChatTemplate::chatml())

@@ -29,6 +29,12 @@ pub struct ModelConfig {
     pub parallel_residual: bool,
     /// The MLP activation as the config names it (`silu`, `gelu`, ...).
     pub activation: String,
+    /// Gemma3: every `n`th layer attends globally, the others within `sliding_window`.
+    pub global_every: Option<usize>,
+    /// Rotary base of the sliding-window layers when it differs from `rope_theta` (Gemma3).
+    pub rope_theta_local: Option<f32>,
+    /// Factor the token embeddings are multiplied by (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f32>,
 }
 
 fn md<'a>(c: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
@@ -63,14 +69,17 @@ impl ModelConfig {
         // with q/k/v biases, which the Llama layer reads when present) keeps rotate-half order.
         let rope_interleaved = match arch.as_str() {
             "llama" => true,
-            "qwen2" => false,
+            "qwen2" | "gemma3" => false,
             _ => return Err(ModelError::Unsupported(arch)),
         };
+        let gemma3 = arch == "gemma3";
         let p = |k: &str| format!("{arch}.{k}");
         let hidden_size = md_usize(c, &p("embedding_length"))?;
         let n_heads = md_usize(c, &p("attention.head_count"))?;
         let n_kv_heads = md_usize(c, &p("attention.head_count_kv")).unwrap_or(n_heads);
-        let head_dim = md_usize(c, &p("rope.dimension_count")).unwrap_or(hidden_size / n_heads);
+        let head_dim = md_usize(c, &p("attention.key_length"))
+            .or_else(|_| md_usize(c, &p("rope.dimension_count")))
+            .unwrap_or(hidden_size / n_heads.max(1));
         let vocab_size = match c.metadata.get("tokenizer.ggml.tokens") {
             Some(gguf_file::Value::Array(v)) => v.len(),
             _ => md_usize(c, &p("vocab_size"))?,
@@ -88,9 +97,18 @@ impl ModelConfig {
             rope_theta: md_f32(c, &p("rope.freq_base")).unwrap_or(10_000.0),
             norm_eps: md_f32(c, &p("attention.layer_norm_rms_epsilon"))? as f64,
             rope_interleaved,
-            sliding_window: None,
+            // Gemma3 (as llama.cpp runs it): five sliding-window layers with rotary base 10000,
+            // then one global layer; GeGLU with GELU's tanh form; embeddings scaled by
+            // sqrt(hidden). Its GGUF norm weights already hold Gemma's `1 + w`.
+            sliding_window: match gemma3 {
+                true => Some(md_usize(c, &p("attention.sliding_window"))?),
+                false => None,
+            },
             parallel_residual: false,
-            activation: "silu".into(),
+            activation: if gemma3 { "gelu_pytorch_tanh" } else { "silu" }.into(),
+            global_every: gemma3.then_some(6),
+            rope_theta_local: gemma3.then_some(10_000.0),
+            embed_scale: gemma3.then(|| (hidden_size as f32).sqrt()),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -153,9 +171,28 @@ impl ModelConfig {
             sliding_window,
             parallel_residual: false,
             activation: hf.hidden_act.unwrap_or_else(|| "silu".into()),
+            global_every: None,
+            rope_theta_local: None,
+            embed_scale: None,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The sliding window of layer `layer` (Gemma3's global layers have none).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        match self.global_every {
+            Some(n) if n > 0 && (layer + 1).is_multiple_of(n) => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// The rotary base of layer `layer`.
+    pub fn layer_rope_theta(&self, layer: usize) -> f32 {
+        match (self.layer_window(layer), self.rope_theta_local) {
+            (Some(_), Some(local)) => local,
+            _ => self.rope_theta,
+        }
     }
 
     fn validate(&self) -> Result<()> {

@@ -168,7 +168,13 @@ pub struct Layer {
     /// Attention and MLP both read the layer input and add to the residual together.
     pub parallel: bool,
     pub qkv: Qkv,
+    /// Per-head RMS norms of queries and keys before rotary (Gemma3).
+    pub q_norm: Option<Norm>,
+    pub k_norm: Option<Norm>,
     pub wo: Linear,
+    /// Norms of the attention and MLP outputs before they join the residual (Gemma's sandwich).
+    pub post_attn_norm: Option<Norm>,
+    pub post_mlp_norm: Option<Norm>,
     pub mlp: Mlp,
 }
 
@@ -182,13 +188,22 @@ impl Layer {
         attn: &Tensor,
         dense_rows: usize,
     ) -> Result<Tensor> {
-        let a = self.wo.forward_split(attn, dense_rows)?;
+        let post = |n: &Option<Norm>, y: Tensor| -> Result<Tensor> {
+            match n {
+                Some(n) => n.forward(&y),
+                None => Ok(y),
+            }
+        };
+        let a = post(
+            &self.post_attn_norm,
+            self.wo.forward_split(attn, dense_rows)?,
+        )?;
         if self.parallel {
             let hm = match &self.mlp_norm {
                 Some(n) => n.forward(x)?,
                 None => h,
             };
-            let m = self.mlp.forward(&hm, dense_rows)?;
+            let m = post(&self.post_mlp_norm, self.mlp.forward(&hm, dense_rows)?)?;
             return Ok(((x + a)? + m)?);
         }
         let x = (x + a)?;
@@ -196,6 +211,7 @@ impl Layer {
             Some(n) => n.forward(&x)?,
             None => x.clone(),
         };
-        Ok((&x + self.mlp.forward(&hm, dense_rows)?)?)
+        let m = post(&self.post_mlp_norm, self.mlp.forward(&hm, dense_rows)?)?;
+        Ok((&x + m)?)
     }
 }

@@ -36,8 +36,9 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Norm,
     output: Linear,
-    cos: Tensor,
-    sin: Tensor,
+    /// Rotary cos/sin tables, one per distinct base, and each layer's table.
+    ropes: Vec<(Tensor, Tensor)>,
+    layer_rope: Vec<usize>,
     device: Device,
 }
 
@@ -64,7 +65,23 @@ impl Model {
         } else {
             embed.as_linear()?
         };
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let mut thetas: Vec<f32> = Vec::new();
+        let mut layer_rope = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let theta = cfg.layer_rope_theta(i);
+            let at = match thetas.iter().position(|&t| t == theta) {
+                Some(at) => at,
+                None => {
+                    thetas.push(theta);
+                    thetas.len() - 1
+                }
+            };
+            layer_rope.push(at);
+        }
+        let ropes = thetas
+            .iter()
+            .map(|&theta| rope_tables(&cfg, theta, device))
+            .collect::<Result<Vec<_>>>()?;
         progress(total, total);
         Ok(Self {
             cfg,
@@ -72,8 +89,8 @@ impl Model {
             layers,
             norm,
             output,
-            cos,
-            sin,
+            ropes,
+            layer_rope,
             device: device.clone(),
         })
     }
@@ -86,11 +103,11 @@ impl Model {
     /// The attention geometry of each layer, for building caches.
     pub fn cache_geometries(&self) -> Vec<CacheGeometry> {
         (0..self.cfg.n_layers)
-            .map(|_| CacheGeometry {
+            .map(|i| CacheGeometry {
                 n_heads: self.cfg.n_heads,
                 n_kv_heads: self.cfg.n_kv_heads,
                 head_dim: self.cfg.head_dim,
-                sliding_window: self.cfg.sliding_window,
+                sliding_window: self.cfg.layer_window(i),
                 max_tokens: self.cfg.context_length,
             })
             .collect()
@@ -143,6 +160,9 @@ impl Model {
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
         let mut x = self.embed.forward(&ids)?;
+        if let Some(s) = cfg.embed_scale {
+            x = (x * f64::from(s))?;
+        }
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -156,8 +176,14 @@ impl Model {
                         .transpose(0, 1)?
                         .contiguous()?)
                 };
-                let qi = self.rope(&heads(&q, nh)?, pos, t)?;
-                let ki = self.rope(&heads(&k, nkv)?, pos, t)?;
+                let norm = |n: &Option<Norm>, x: Tensor| -> Result<Tensor> {
+                    match n {
+                        Some(n) => n.forward(&x),
+                        None => Ok(x),
+                    }
+                };
+                let qi = self.rope(&norm(&layer.q_norm, heads(&q, nh)?)?, li, pos, t)?;
+                let ki = self.rope(&norm(&layer.k_norm, heads(&k, nkv)?)?, li, pos, t)?;
                 let vi = heads(&v, nkv)?;
                 let cache = s.cache.layer(li);
                 cache.append(&ki, &vi)?;
@@ -198,10 +224,12 @@ impl Model {
         Ok(out)
     }
 
-    /// Rotary embedding of `[heads, t, d]` at positions `pos..pos + t`.
-    fn rope(&self, x: &Tensor, pos: usize, t: usize) -> Result<Tensor> {
-        let cos = self.cos.narrow(0, pos, t)?;
-        let sin = self.sin.narrow(0, pos, t)?;
+    /// Rotary embedding of `[heads, t, d]` at positions `pos..pos + t`, with layer `layer`'s
+    /// base.
+    fn rope(&self, x: &Tensor, layer: usize, pos: usize, t: usize) -> Result<Tensor> {
+        let (cos, sin) = &self.ropes[self.layer_rope[layer]];
+        let cos = cos.narrow(0, pos, t)?;
+        let sin = sin.narrow(0, pos, t)?;
         let x4 = x.unsqueeze(0)?;
         let y = if self.cfg.rope_interleaved {
             candle_nn::rotary_emb::rope_i(&x4, &cos, &sin)?
@@ -212,11 +240,11 @@ impl Model {
     }
 }
 
-/// cos/sin tables `[context, head_dim / 2]`.
-fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+/// cos/sin tables `[context, head_dim / 2]` for rotary base `theta`.
+fn rope_tables(cfg: &ModelConfig, theta: f32, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = cfg.head_dim / 2;
     let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
         .collect();
     let inv = Tensor::from_vec(inv, (1, half), device)?;
     let t = Tensor::arange(0u32, cfg.context_length as u32, device)?

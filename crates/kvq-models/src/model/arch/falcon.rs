@@ -107,6 +107,9 @@ pub fn config(text: &str) -> Result<ModelConfig> {
         sliding_window: None,
         parallel_residual: hf.new_decoder_architecture || hf.parallel_attn,
         activation: hf.activation,
+        global_every: None,
+        rope_theta_local: None,
+        embed_scale: None,
     })
 }
 
@@ -141,7 +144,11 @@ pub fn layer(cfg: &ModelConfig, w: &mut dyn WeightSource, i: usize) -> Result<La
         qkv: Qkv::Fused {
             w: w.linear(&p("attn_qkv"))?,
         },
+        q_norm: None,
+        k_norm: None,
         wo: w.linear(&p("attn_output"))?,
+        post_attn_norm: None,
+        post_mlp_norm: None,
         mlp: Mlp::Plain {
             up: w.linear(&p("ffn_up"))?,
             down: w.linear(&p("ffn_down"))?,

@@ -25,7 +25,11 @@ pub fn layer(cfg: &ModelConfig, w: &mut dyn WeightSource, i: usize) -> Result<La
             k: w.linear(&p("attn_k"))?,
             v: w.linear(&p("attn_v"))?,
         },
+        q_norm: None,
+        k_norm: None,
         wo: w.linear(&p("attn_output"))?,
+        post_attn_norm: None,
+        post_mlp_norm: None,
         mlp: Mlp::Gated {
             gate: w.linear(&p("ffn_gate"))?,
             up: w.linear(&p("ffn_up"))?,

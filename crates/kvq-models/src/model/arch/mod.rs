@@ -4,6 +4,7 @@
 //! Adding an architecture means one file here and one arm in each match below.
 
 pub mod falcon;
+pub mod gemma3;
 pub mod llama;
 
 use super::config::ModelConfig;
@@ -19,6 +20,8 @@ pub enum Family {
     Llama,
     /// Falcon-7B/40B/180B (`FalconForCausalLM`).
     Falcon,
+    /// Gemma3 (GGUF only).
+    Gemma3,
 }
 
 impl Family {
@@ -27,6 +30,7 @@ impl Family {
         match cfg.architecture.as_str() {
             "llama" | "mistral" | "qwen2" => Ok(Self::Llama),
             "falcon" => Ok(Self::Falcon),
+            "gemma3" => Ok(Self::Gemma3),
             other => Err(ModelError::Unsupported(other.to_string())),
         }
     }
@@ -37,6 +41,8 @@ impl Family {
         match self {
             Self::Llama => llama::hf_name(gguf).into_iter().collect(),
             Self::Falcon => falcon::hf_names(gguf),
+            // Read from GGUF only: no Hugging Face layout.
+            Self::Gemma3 => Vec::new(),
         }
     }
 
@@ -45,13 +51,14 @@ impl Family {
         match self {
             Self::Llama => llama::layer(cfg, w, i),
             Self::Falcon => falcon::layer(cfg, w, i),
+            Self::Gemma3 => gemma3::layer(cfg, w, i),
         }
     }
 
     /// The norm before the output projection.
     pub fn final_norm(self, cfg: &ModelConfig, w: &mut dyn WeightSource) -> Result<Norm> {
         match self {
-            Self::Llama => Norm::rms(w, "output_norm", cfg.norm_eps),
+            Self::Llama | Self::Gemma3 => Norm::rms(w, "output_norm", cfg.norm_eps),
             Self::Falcon => Norm::layer(w, "output_norm", cfg.norm_eps),
         }
     }
