@@ -64,6 +64,10 @@ pub struct EvalArgs {
     /// `--ctx` it was made at, for llama.cpp's q4_0 reference line).
     #[arg(long, requires = "plot", conflicts_with = "text")]
     pub replot: Option<PathBuf>,
+    /// With `--replot`: the model the rows are from (llama.cpp's q4_0 line is drawn for the
+    /// default model only, where it was measured).
+    #[arg(long, default_value = "SmolLM2-135M-Instruct")]
+    pub replot_model: String,
 }
 
 /// One method's result, as `--json` writes it (exactly these keys).
@@ -145,12 +149,15 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
         let rows: Vec<EvalRow> = serde_json::from_str(&text)
             .with_context(|| format!("{} is not a `kvq eval --json` file", json.display()))?;
         let font = super::bench::plot::find_font(args.plot_font.as_deref())?;
-        let title = format!(
-            "perplexity vs KV cache bits, ctx {} (from {})",
-            args.ctx,
-            json.display()
+        let file = json.file_name().map_or_else(
+            || json.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
         );
-        plot::draw(&rows, out, &font, &title, args.ctx)
+        let title = format!(
+            "{}: perplexity vs KV cache bits, ctx {} (from {file})",
+            args.replot_model, args.ctx
+        );
+        plot::draw(&rows, out, &font, &title, &args.replot_model, args.ctx)
             .with_context(|| format!("could not draw the plot {}", out.display()))?;
         eprintln!("wrote {}", out.display());
         return Ok(());
@@ -258,7 +265,7 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let (Some(path), Some(font)) = (&args.plot, &font) {
         let title =
             format!("{model_id}: perplexity vs KV cache bits, ctx {ctx}, {n_chunks} chunks");
-        plot::draw(&rows, path, font, &title, ctx)
+        plot::draw(&rows, path, font, &title, &model_id, ctx)
             .with_context(|| format!("could not draw the plot {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }

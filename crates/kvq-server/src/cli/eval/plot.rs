@@ -11,11 +11,12 @@ use std::path::Path;
 /// llama.cpp's q4_0 KV cache (keys and values, 4.5 bits per element) on SmolLM2-135M and the
 /// evaluation text, as a PPL change against its f16 cache at the same context: +15.6% at 512
 /// (DESIGN.md "Bars"), +4.31% at 2048 (`llama-perplexity -c 2048 -ctk q4_0 -ctv q4_0 -fa on`:
-/// 31.9170 against f16's 30.5973, docs/benchmarks/quality.md). None for other contexts.
-pub fn q4_0_delta_pct(ctx: usize) -> Option<f64> {
-    match ctx {
-        512 => Some(15.6),
-        2048 => Some(4.31),
+/// 31.9170 against f16's 30.5973, docs/benchmarks/quality.md). None for other models and
+/// contexts: the line is only drawn where it was measured.
+pub fn q4_0_delta_pct(model_id: &str, ctx: usize) -> Option<f64> {
+    match (model_id, ctx) {
+        ("SmolLM2-135M-Instruct", 512) => Some(15.6),
+        ("SmolLM2-135M-Instruct", 2048) => Some(4.31),
         _ => None,
     }
 }
@@ -40,6 +41,7 @@ pub fn draw(
     path: &Path,
     font: &Path,
     title: &str,
+    model_id: &str,
     ctx: usize,
 ) -> anyhow::Result<()> {
     register_font(font)?;
@@ -51,7 +53,7 @@ pub fn draw(
             .filter(|x| x.is_finite())
             .collect::<Vec<_>>()
     };
-    let q4_0 = q4_0_delta_pct(ctx);
+    let q4_0 = q4_0_delta_pct(model_id, ctx);
     let x_max = finite(&xs).into_iter().fold(Q4_0_BITS, f64::max).max(1.0) * 1.08;
     let y_lo = finite(&ys).into_iter().fold(0.0, f64::min);
     let y_hi = finite(&ys).into_iter().fold(q4_0.unwrap_or(0.0), f64::max);
