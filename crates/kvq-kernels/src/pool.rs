@@ -30,6 +30,11 @@ impl<T> RowsPtr<T> {
 
 /// Calls `f(i, row_i)` for every `width`-long row of `out`: on the calling thread when there are
 /// fewer than `min_parallel` rows, else spread over candle's barrier pool and the calling thread.
+///
+/// `f` must not run candle ops itself (the calling thread holds the pool's call lock while it
+/// works, and that lock is not reentrant) and must not panic (a panic there poisons the lock for
+/// every later candle matmul). The codecs' loops are plain slice arithmetic that check their
+/// inputs instead of panicking.
 pub(crate) fn for_each_row<T: Send>(
     out: &mut [T],
     width: usize,
