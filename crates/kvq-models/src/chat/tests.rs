@@ -1,0 +1,236 @@
+//! Chat template tests: rendering of real templates (SmolLM2, Llama-2 style, Gemma turns,
+//! ChatML), their errors, tojson and strftime_now.
+use super::*;
+
+fn user(text: &str) -> ChatMessage {
+    ChatMessage::new("user", text)
+}
+
+/// SmolLM2's template as read from the GGUF (kept here so the test also runs without the file).
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+const SMOLLM2_EXPECTED: &str = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+
+fn smollm2_gguf() -> Option<candle_core::quantized::gguf_file::Content> {
+    let dir = std::env::var_os("KVQ_MODELS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../models").into());
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let Ok(mut file) = std::fs::File::open(&path) else {
+        eprintln!("skipping GGUF part: {} not found", path.display());
+        return None;
+    };
+    Some(candle_core::quantized::gguf_file::Content::read(&mut file).unwrap())
+}
+
+fn smollm2_template_from_gguf() -> Option<String> {
+    let content = smollm2_gguf()?;
+    Some(
+        content.metadata["tokenizer.chat_template"]
+            .to_string()
+            .unwrap()
+            .clone(),
+    )
+}
+
+#[test]
+fn smollm2_template() {
+    let mut sources = vec![SMOLLM2_TEMPLATE.to_owned()];
+    if let Some(from_gguf) = smollm2_template_from_gguf() {
+        assert_eq!(from_gguf, SMOLLM2_TEMPLATE);
+        sources.push(from_gguf);
+    }
+    for source in sources {
+        let t = ChatTemplate::new(&source, Some("<|im_start|>"), Some("<|im_end|>")).unwrap();
+        let q = [user("What is the capital of France?")];
+        assert_eq!(t.render(&q, true).unwrap(), SMOLLM2_EXPECTED);
+        let without = SMOLLM2_EXPECTED
+            .strip_suffix("<|im_start|>assistant\n")
+            .unwrap();
+        assert_eq!(t.render(&q, false).unwrap(), without);
+        let sys = [ChatMessage::new("system", "Be brief."), user("Hi")];
+        assert_eq!(
+            t.render(&sys, true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(t.source(), source);
+    }
+}
+
+#[test]
+fn tokenizer_template_or_chatml() {
+    let Some(content) = smollm2_gguf() else {
+        return;
+    };
+    let tok = Tokenizer::from_gguf(&content).unwrap();
+    let t = ChatTemplate::for_tokenizer(&tok).unwrap();
+    assert_eq!(Some(t.source()), tok.chat_template());
+    let prompt = t
+        .render(&[user("What is the capital of France?")], true)
+        .unwrap();
+    assert_eq!(prompt, SMOLLM2_EXPECTED);
+    let ids = tok.encode(&prompt, true).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), prompt);
+}
+
+#[test]
+fn gemma_turns_fold_the_system_message_into_the_first_user_turn() {
+    let t = ChatTemplate::gemma(Some("<bos>"));
+    let msgs = [
+        ChatMessage::new("system", "S"),
+        user("U "),
+        ChatMessage::new("assistant", "A"),
+        user("V"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n\
+         <start_of_turn>user\nV<end_of_turn>\n<start_of_turn>model\n"
+    );
+}
+
+#[test]
+fn chatml_fallback() {
+    let t = ChatTemplate::chatml();
+    let msgs = [
+        ChatMessage::new("system", "S"),
+        user("U"),
+        ChatMessage::new("assistant", "A"),
+    ];
+    assert_eq!(
+        t.render(&msgs, false).unwrap(),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
+    );
+    assert!(t.render(&[], true).unwrap() == "<|im_start|>assistant\n");
+}
+
+/// A Llama-2 style template: system folded into the first turn, strict alternation.
+const INLINE: &str = r#"{% if messages[0]['role'] == 'system' %}
+{% set system = messages[0]['content'].strip() %}
+{% set loop_messages = messages[1:] %}
+{% else %}
+{% set system = 'Default system.' %}
+{% set loop_messages = messages %}
+{% endif %}
+{% for message in loop_messages %}
+{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{% endif %}
+{% if loop.first %}
+{{ bos_token }}[SYS]{{ system }}[/SYS]
+{% endif %}
+{% if message['role'] == 'user' %}
+[INST] {{ message['content'].strip() }} [/INST]
+{% elif message.content.startswith('#') %}
+{{ message.content.split('#')[-1] | trim }}{{ eos_token }}
+{% else %}
+{{ message['content'].replace('  ', ' ') }}{{ eos_token }}
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt and messages[-1].role == 'user' %}
+>
+{% endif %}"#;
+
+#[test]
+fn inline_python_methods_and_blocks() {
+    let t = ChatTemplate::new(INLINE, Some("<s>"), Some("</s>")).unwrap();
+    let msgs = [
+        ChatMessage::new("system", "  Be nice.  "),
+        user("  Hello  "),
+        ChatMessage::new("assistant", "Hi  there"),
+        user("Again"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<s>[SYS]Be nice.[/SYS]\n[INST] Hello [/INST]\nHi there</s>\n[INST] Again [/INST]\n>\n"
+    );
+    let msgs = [user("Q"), ChatMessage::new("assistant", "#x# answer ")];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<s>[SYS]Default system.[/SYS]\n[INST] Q [/INST]\nanswer</s>\n"
+    );
+}
+
+#[test]
+fn raise_exception_is_template_error() {
+    let t = ChatTemplate::new(INLINE, Some("<s>"), Some("</s>")).unwrap();
+    let err = t.render(&[user("a"), user("b")], true).unwrap_err();
+    match err {
+        ModelError::Template(msg) => {
+            assert_eq!(
+                msg,
+                "Conversation roles must alternate user/assistant/user/assistant/..."
+            )
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn compile_error_is_template_error() {
+    let err = ChatTemplate::new("{% for m in messages %}{{ m.role }", None, None).unwrap_err();
+    assert!(
+        matches!(err, ModelError::Template(ref m) if m.starts_with("compiling")),
+        "{err}"
+    );
+}
+
+#[test]
+fn lenient_undefined_and_missing_tokens() {
+    let src = "{% if tools is defined %}T{% endif %}{{ messages[0].tool_calls.name }}[{{ bos_token }}]{% for m in nothing %}x{% endfor %}";
+    let t = ChatTemplate::new(src, None, None).unwrap();
+    assert_eq!(t.render(&[user("u")], false).unwrap(), "[]");
+    let err = ChatTemplate::new("{{ 'a' + 1 }}", None, None)
+        .unwrap()
+        .render(&[], false)
+        .unwrap_err();
+    assert!(matches!(err, ModelError::Template(_)));
+}
+
+#[test]
+fn tojson_like_python() {
+    let src = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ messages | tojson }}|{{ 'é<' | tojson }}";
+    let t = ChatTemplate::new(src, None, None).unwrap();
+    let extra = serde_json::json!({"tools": [{"name": "get_weather", "parameters": {"city": "string", "days": 3, "x": 1.5, "ok": true, "n": null}}]});
+    let out = t
+        .render_with(&[user("hi \"you\"")], false, Some(&extra))
+        .unwrap();
+    let parts: Vec<&str> = out.split('|').collect();
+    assert_eq!(
+        parts[0],
+        r#"[{"name": "get_weather", "parameters": {"city": "string", "days": 3, "n": null, "ok": true, "x": 1.5}}]"#
+    );
+    assert_eq!(
+        parts[1],
+        "{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"string\",\n    \"days\": 3,\n    \"n\": null,\n    \"ok\": true,\n    \"x\": 1.5\n  }\n}"
+    );
+    assert_eq!(parts[2], r#"[{"role": "user", "content": "hi \"you\""}]"#);
+    assert_eq!(parts[3], r#""é<""#);
+    let bad = t.render_with(&[], false, Some(&serde_json::json!([1])));
+    assert!(matches!(bad, Err(ModelError::Template(_))));
+}
+
+#[test]
+fn strftime_formats() {
+    // 2024-07-26 00:00:00 UTC, a Friday.
+    let t = 1_721_952_000;
+    assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
+    assert_eq!(
+        strftime("%A %B %-d, %y %H:%M:%S %j %%", t + 3_723),
+        "Friday July 26, 24 01:02:03 208 %"
+    );
+    assert_eq!(
+        strftime("%Y-%m-%d %I%p %q", 951_782_400),
+        "2000-02-29 12AM %q"
+    );
+    assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+    assert_eq!(strftime("%Y-%m-%d", -86_400), "1969-12-31");
+    let now = ChatTemplate::new("{{ strftime_now('%Y') }}", None, None).unwrap();
+    assert_eq!(now.render(&[], false).unwrap().len(), 4);
+}
+
+#[test]
+fn send_sync_clone() {
+    fn assert_send_sync<T: Send + Sync + Clone>() {}
+    assert_send_sync::<ChatTemplate>();
+    assert!(format!("{:?}", ChatTemplate::chatml()).contains("im_start"));
+}
