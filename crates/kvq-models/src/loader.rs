@@ -117,19 +117,41 @@ fn info(cfg: &ModelConfig, id: String, source: &Path) -> ModelInfo {
     }
 }
 
-fn template_or_chatml(source: Option<&str>, tok: &Tokenizer) -> Result<ChatTemplate> {
-    match source {
-        Some(src) => ChatTemplate::new(src, tok.bos_token(), tok.eos_token()),
-        // Gemma GGUFs may come without a template; their vocabulary names their turns.
-        None if tok.token_to_id("<start_of_turn>").is_some() => {
-            tracing::warn!("the model has no chat template; using Gemma's turns");
-            Ok(ChatTemplate::gemma(tok.bos_token()))
-        }
-        None => {
-            tracing::warn!("the model has no chat template; using ChatML");
-            Ok(ChatTemplate::chatml())
-        }
+/// The model's own chat template; without one, a format it can follow: Gemma's turns or ChatML
+/// for a model whose names (`names`: GGUF `general.finetune` / `general.name`, file or directory
+/// names) say it was instruction-tuned, else a question-and-answer transcript, which base models
+/// continue with answers (they answer turns they never learned with noise).
+fn template_or_fallback(
+    source: Option<&str>,
+    tok: &Tokenizer,
+    names: &[&str],
+) -> Result<ChatTemplate> {
+    if let Some(src) = source {
+        return ChatTemplate::new(src, tok.bos_token(), tok.eos_token());
     }
+    if !names.iter().any(|n| names_instruction_tuning(n)) {
+        tracing::warn!(
+            "the model has no chat template and its names do not say it is instruction-tuned; \
+             chat requests go through a Question/Answer transcript"
+        );
+        return Ok(ChatTemplate::transcript(tok.bos_token()));
+    }
+    // Gemma GGUFs may come without a template; their vocabulary names their turns.
+    if tok.token_to_id("<start_of_turn>").is_some() {
+        tracing::warn!("the model has no chat template; using Gemma's turns");
+        Ok(ChatTemplate::gemma(tok.bos_token()))
+    } else {
+        tracing::warn!("the model has no chat template; using ChatML");
+        Ok(ChatTemplate::chatml())
+    }
+}
+
+/// Whether a model name carries one of the usual marks of instruction tuning as a word
+/// (`SmolLM2-135M-Instruct`, `gemma-3-270m-it`, `Llama-2-7b-chat-hf`), case-insensitively.
+fn names_instruction_tuning(name: &str) -> bool {
+    const MARKS: [&str; 6] = ["instruct", "it", "chat", "sft", "dpo", "rlhf"];
+    name.split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|word| MARKS.iter().any(|m| word.eq_ignore_ascii_case(m)))
 }
 
 fn load_gguf(
@@ -146,7 +168,25 @@ fn load_gguf(
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok())
         .cloned();
-    let template = template_or_chatml(template_src.as_deref(), &tokenizer)?;
+    let meta = |key: &str| {
+        weights
+            .content()
+            .metadata
+            .get(key)
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (finetune, name) = (meta("general.finetune"), meta("general.name"));
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let template = template_or_fallback(
+        template_src.as_deref(),
+        &tokenizer,
+        &[&finetune, &name, &stem],
+    )?;
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
     let id = path.file_stem().map_or_else(
         || "model".to_string(),
@@ -184,7 +224,14 @@ fn load_hf_dir(
         }
         None => None,
     };
-    let template = template_or_chatml(template_src.as_deref(), &tokenizer)?;
+    // A Hugging Face cache snapshot is named by its hash; the repository is a folder above it.
+    let names: Vec<String> = dir
+        .ancestors()
+        .filter_map(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
+        .take(3)
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let template = template_or_fallback(template_src.as_deref(), &tokenizer, &names)?;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| ModelError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -224,6 +271,29 @@ mod tests {
         assert_eq!(model_id_from_stem("model.bf16"), "model");
         assert_eq!(model_id_from_stem("Qwen2.5-Coder"), "Qwen2.5-Coder");
         assert_eq!(model_id_from_stem("plain"), "plain");
+    }
+
+    #[test]
+    fn instruction_tuning_is_read_from_names() {
+        for tuned in [
+            "SmolLM2-135M-Instruct.Q4_1",
+            "gemma-3-270m-it-Q4_K_M",
+            "Llama-2-7b-chat-hf",
+            "models--tiiuae--falcon-7b-instruct",
+            "it",
+            "Zephyr-7B-DPO",
+        ] {
+            assert!(names_instruction_tuning(tuned), "{tuned}");
+        }
+        for base in [
+            "gemma-3-270m-Q4_K_M",
+            "Gemma 3 270m",
+            "Meta-Llama-3-8B",
+            "kit",
+            "",
+        ] {
+            assert!(!names_instruction_tuning(base), "{base}");
+        }
     }
 
     #[test]

@@ -11,11 +11,20 @@ use crate::{ModelError, Result};
 
 const TEMPLATE_NAME: &str = "chat";
 
-/// Plain ChatML, for models that ship no template.
 /// Gemma's turns (`<start_of_turn>user|model\n...<end_of_turn>\n`), for Gemma GGUFs that carry no
 /// template; a system message goes before the first user message, as Gemma's own template does.
 pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + message['content'] | trim + '<end_of_turn>\n' }}{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
 
+/// A plain question-and-answer transcript, for base models (not instruction-tuned) that ship no
+/// template: they continue `Question: ...\nAnswer:` with an answer where they continue chat turns
+/// they never learned with noise. A system message is a preamble paragraph; generation stops at
+/// the next question ([`TRANSCRIPT_STOP`]).
+pub const TRANSCRIPT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] | trim + '\n\n' }}{% elif message['role'] == 'user' %}{{ 'Question: ' + message['content'] | trim + '\n' }}{% else %}{{ 'Answer: ' + message['content'] | trim + '\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}";
+
+/// Where an answer in [`TRANSCRIPT_TEMPLATE`] ends: the model starting the next question.
+pub const TRANSCRIPT_STOP: &str = "\nQuestion:";
+
+/// Plain ChatML, for instruction-tuned models that ship no template.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// One turn of a conversation, as templates see it (`message['role']`, `message.content`).
@@ -47,6 +56,7 @@ pub struct ChatTemplate {
     source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    stop: Vec<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -55,6 +65,7 @@ impl std::fmt::Debug for ChatTemplate {
             .field("source", &self.source)
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
+            .field("stop", &self.stop)
             .finish()
     }
 }
@@ -117,7 +128,14 @@ impl ChatTemplate {
             source: source.to_owned(),
             bos_token: bos_token.map(str::to_owned),
             eos_token: eos_token.map(str::to_owned),
+            stop: Vec::new(),
         })
+    }
+
+    /// Strings that end an answer in this template's format besides the EOS token (e.g. the next
+    /// question of a transcript); chat requests stop on them as on their own `stop`.
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stop
     }
 
     /// Plain ChatML (`<|im_start|>role\ncontent<|im_end|>\n`), for models without a template.
@@ -132,6 +150,15 @@ impl ChatTemplate {
         // The source is a constant that the tests compile.
         Self::new(GEMMA_TEMPLATE, bos_token, Some("<end_of_turn>"))
             .expect("the built-in Gemma template compiles")
+    }
+
+    /// A question-and-answer transcript, for base models without a template.
+    pub fn transcript(bos_token: Option<&str>) -> ChatTemplate {
+        // The source is a constant that the tests compile.
+        let mut template = Self::new(TRANSCRIPT_TEMPLATE, bos_token, None)
+            .expect("the built-in transcript template compiles");
+        template.stop = vec![TRANSCRIPT_STOP.to_owned()];
+        template
     }
 
     /// The tokenizer's own template (GGUF `tokenizer.chat_template` or tokenizer_config.json),

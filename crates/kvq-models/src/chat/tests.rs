@@ -89,6 +89,29 @@ fn gemma_turns_fold_the_system_message_into_the_first_user_turn() {
 }
 
 #[test]
+fn transcript_asks_questions_and_stops_at_the_next_one() {
+    let t = ChatTemplate::transcript(Some("<bos>"));
+    let msgs = [
+        ChatMessage::new("system", " Be brief. "),
+        user("What is 2 + 2? "),
+        ChatMessage::new("assistant", " 4"),
+        user("And 3 + 3?"),
+    ];
+    assert_eq!(
+        t.render(&msgs, true).unwrap(),
+        "<bos>Be brief.\n\nQuestion: What is 2 + 2?\nAnswer: 4\nQuestion: And 3 + 3?\nAnswer:"
+    );
+    assert_eq!(t.stop_strings(), ["\nQuestion:"]);
+    // Without a BOS string the template starts with the text itself.
+    let t = ChatTemplate::transcript(None);
+    assert_eq!(
+        t.render(&[user("Hi")], true).unwrap(),
+        "Question: Hi\nAnswer:"
+    );
+    assert!(ChatTemplate::chatml().stop_strings().is_empty());
+}
+
+#[test]
 fn chatml_fallback() {
     let t = ChatTemplate::chatml();
     let msgs = [

@@ -88,7 +88,11 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
             seed: args.seed,
             ..SamplingParams::default()
         },
-        stop: Vec::new(),
+        stop: if args.chat {
+            engine.chat_template().stop_strings().to_vec()
+        } else {
+            Vec::new()
+        },
         stop_on_eos: true,
         logprobs: None,
         cache,

@@ -49,7 +49,11 @@ pub async fn chat_completions(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let served = state.engine.model_info().id.clone();
-    let v = validate_chat(&req, &served, &state.limits)?;
+    let mut v = validate_chat(&req, &served, &state.limits)?;
+    // The template's own answer ends (a transcript's next question) stop like the request's.
+    v.params
+        .stop
+        .extend(state.engine.chat_template().stop_strings().iter().cloned());
     let cache = resolve_cache(&state.registry, &headers, v.params.kv_cache.as_ref())?;
     let engine = state.engine.clone();
     let messages = v.messages.clone();
