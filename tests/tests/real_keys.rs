@@ -127,17 +127,20 @@ fn shipped_presets_attend_close_to_exact_on_real_keys() {
     let names = registry
         .load_presets(&workspace_root().join("configs/cache"))
         .expect("presets load");
-    // Measured (mean, worst layer) with each preset's window and sinks; bounds 20% above.
+    // Measured (mean, worst layer) with each preset's window and sinks; bounds 20% above. Keys
+    // coded centered (all but RVQ 2-bit; before centering, e.g. MSE 3-bit 0.099 / 0.239, Prod
+    // 3-bit 0.334 / 0.710, QJL 4-bit 0.353 / 0.716: on SmolLM2 it moves these little).
     let bounds = [
-        ("turboquant-mse-4bit", 0.048, 0.143),
-        ("turboquant-mse-3bit", 0.099, 0.239),
-        ("turboquant-rvq-4bit", 0.069, 0.246),
+        ("turboquant-mse-4bit", 0.050, 0.145),
+        ("turboquant-mse-3bit", 0.102, 0.265),
+        ("turboquant-rvq-4bit", 0.068, 0.192),
         ("turboquant-rvq-2bit", 0.244, 0.561),
-        ("turboquant-prod-4bit", 0.134, 0.396),
-        ("turboquant-prod-3bit", 0.334, 0.710),
-        ("qjl-4bit", 0.353, 0.716),
-        ("qjl-3bit", 0.513, 0.820),
+        ("turboquant-prod-4bit", 0.131, 0.405),
+        ("turboquant-prod-3bit", 0.289, 0.653),
+        ("qjl-4bit", 0.336, 0.862),
+        ("qjl-3bit", 0.531, 0.918),
     ];
+    let mut over = Vec::new();
     for name in names.iter().filter(|n| !n.starts_with("vecinfer")) {
         let Some(&(_, bm, bw)) = bounds.iter().find(|b| b.0 == name) else {
             panic!("preset {name} has no stated bound here");
@@ -149,11 +152,13 @@ fn shipped_presets_attend_close_to_exact_on_real_keys() {
             })
             .expect("resolves");
         let (mean, worst) = measure(name, cache.factory.as_ref());
-        assert!(
-            mean < 1.2 * bm && worst < 1.2 * bw,
-            "{name}: mean {mean:.4} (measured {bm}), worst {worst:.4} (measured {bw})"
-        );
+        if mean >= 1.2 * bm || worst >= 1.2 * bw {
+            over.push(format!(
+                "{name}: mean {mean:.4} (measured {bm}), worst {worst:.4} (measured {bw})"
+            ));
+        }
     }
+    assert!(over.is_empty(), "over their bounds:\n{}", over.join("\n"));
     for (name, ..) in bounds {
         assert!(names.iter().any(|n| n == name), "preset {name} is gone");
     }

@@ -15,6 +15,9 @@ pub mod traits;
 #[cfg(test)]
 mod rolling_tests;
 
+#[cfg(test)]
+mod centering_tests;
+
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
 pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};

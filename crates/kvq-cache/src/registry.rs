@@ -70,6 +70,18 @@ impl BuildArgs<'_> {
     pub fn param_or<T: TryFrom<i64>>(&self, key: &str, default: T) -> Result<T> {
         Ok(param(self.params, key)?.unwrap_or(default))
     }
+
+    /// The preset's boolean `[params]` entry `key`, else `default`.
+    pub fn flag_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.params.get(key) {
+            None => Ok(default),
+            Some(toml::Value::Boolean(b)) => Ok(*b),
+            Some(v) => Err(CacheError::Preset {
+                path: key.to_string(),
+                message: format!("parameter '{key}' must be true or false, got {v}"),
+            }),
+        }
+    }
 }
 
 /// A method the registry can build: its name, the bits it accepts and its builder.

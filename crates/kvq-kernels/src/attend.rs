@@ -25,6 +25,9 @@ pub struct AttendParams {
     /// Position of code row 0: a rolling cache drops the rows no query can reach any more (they
     /// left the sliding window), so row `i` holds position `code_first + i`.
     pub code_first: usize,
+    /// Queries at positions below this read every key they attend from fp16: the cache fixes
+    /// its key center from the keys up to here, so their codes are not final before.
+    pub exact_before: usize,
 }
 
 impl AttendParams {
@@ -34,7 +37,10 @@ impl AttendParams {
         let start = self
             .sliding_window
             .map_or(0, |w| (pos + 1).saturating_sub(w));
-        let c1 = (pos + 1).saturating_sub(self.window.max(1)).max(start);
+        let c1 = match pos < self.exact_before {
+            true => self.sinks.max(start).min(pos + 1),
+            false => (pos + 1).saturating_sub(self.window.max(1)).max(start),
+        };
         let c0 = self.sinks.max(start).min(c1);
         (start, c0, c1)
     }

@@ -41,7 +41,7 @@
 //! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` override the table's
 //! split (m then fills the rest of the budget; a split that leaves no room is an error);
 //! `sketch_dim` sets m directly unless the request sets bits (which then fill their budget);
-//! `window` (64), `sinks` (0), `seed`.
+//! `window` (64), `sinks` (0), `seed`, `center_keys` (true: see `crate::compressed`).
 
 pub mod keys;
 pub mod values;
@@ -88,6 +88,8 @@ pub struct QjlFactory {
     pub sinks: usize,
     /// Seed of the sketch matrices.
     pub seed: u64,
+    /// Code keys centered (see `crate::compressed`).
+    pub center_keys: bool,
 }
 
 impl QjlFactory {
@@ -106,6 +108,7 @@ impl QjlFactory {
             window: 64,
             sinks: 0,
             seed: 0x51_4A4C,
+            center_keys: true,
         }
     }
 
@@ -125,6 +128,7 @@ impl QjlFactory {
             window: a.param_or("window", base.window)?,
             sinks: a.param_or("sinks", base.sinks)?,
             seed: a.param_or("seed", base.seed)?,
+            center_keys: a.flag_or("center_keys", base.center_keys)?,
         };
         f.validate()?;
         Ok(f)
@@ -214,6 +218,10 @@ impl CodecFactory for QjlFactory {
 
     fn sinks(&self) -> usize {
         self.sinks
+    }
+
+    fn center_keys(&self) -> bool {
+        self.center_keys
     }
 }
 

@@ -116,12 +116,13 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     (num / den).sqrt()
 }
 
-/// Appending a 50-token chunk and attending all its rows equals appending and attending token
+/// Appending a 120-token chunk (past the keys the key center is fixed from) and attending all
+/// its rows equals appending and attending token
 /// by token (what generation sees); returns the largest difference.
 pub fn prefill_vs_steps(f: &dyn CacheFactory) -> f32 {
     let g = geom();
     let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
-    let t = 50;
+    let t = 120;
     let (kt, vt, qt) = (
         tensor(&gauss(kvh * t * d, 11), (kvh, t, d)),
         tensor(&gauss(kvh * t * d, 12), (kvh, t, d)),
@@ -189,6 +190,7 @@ pub fn op_vs_reference(keys: Arc<dyn KeyCodec>, values: Arc<dyn ValueCodec>) -> 
         sinks: 2,
         sliding_window: None,
         code_first: 0,
+        exact_before: 0,
     };
     let got = compressed_attend(&keys, &values, p, &tensor(&q, (h, t, d)), &kc, &vc)
         .unwrap()

@@ -56,6 +56,8 @@ pub struct BitsFactory<M> {
     pub sinks: usize,
     /// Seed of the rotations.
     pub seed: u64,
+    /// Code keys centered (see `crate::compressed`).
+    pub center_keys: bool,
     pub method: PhantomData<fn() -> M>,
 }
 
@@ -75,6 +77,7 @@ impl<M: BitsMethod> std::fmt::Debug for BitsFactory<M> {
             .field("window", &self.window)
             .field("sinks", &self.sinks)
             .field("seed", &self.seed)
+            .field("center_keys", &self.center_keys)
             .finish()
     }
 }
@@ -88,12 +91,13 @@ impl<M: BitsMethod> BitsFactory<M> {
             window: 64,
             sinks: 0,
             seed: M::SEED,
+            center_keys: true,
             method: PhantomData,
         }
     }
 
     /// Builds from a registry request; a preset may set `key_bits`, `value_bits`, `window`,
-    /// `sinks` and `seed` in its `[params]`, and request bits override both key and value bits.
+    /// `sinks`, `seed` and `center_keys` in its `[params]`, and request bits override both key and value bits.
     pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
         let base = Self::new(u32::from(M::DEFAULT_BITS));
         let f = Self {
@@ -102,6 +106,7 @@ impl<M: BitsMethod> BitsFactory<M> {
             window: a.param_or("window", base.window)?,
             sinks: a.param_or("sinks", base.sinks)?,
             seed: a.param_or("seed", base.seed)?,
+            center_keys: a.flag_or("center_keys", base.center_keys)?,
             method: PhantomData,
         };
         M::check_bits(f.key_bits, f.value_bits)?;
@@ -140,5 +145,9 @@ impl<M: BitsMethod> CodecFactory for BitsFactory<M> {
 
     fn sinks(&self) -> usize {
         self.sinks
+    }
+
+    fn center_keys(&self) -> bool {
+        self.center_keys
     }
 }

@@ -153,6 +153,11 @@ impl CodecFactory for VecInferFactory {
         METHOD
     }
 
+    /// The codebooks and smoothing factors were trained on raw keys.
+    fn center_keys(&self) -> bool {
+        false
+    }
+
     fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(VqKeyCodec, VqValueCodec)> {
         let m = &self.calibration.meta;
         if layer >= m.n_layers || geom.n_kv_heads != m.n_kv_heads || geom.head_dim != m.head_dim {

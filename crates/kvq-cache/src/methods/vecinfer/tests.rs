@@ -145,6 +145,7 @@ fn op_matches_attend_reference() {
                 sinks: 2,
                 sliding_window: None,
                 code_first: 0,
+                exact_before: 0,
             };
             let got = compressed_attend(
                 &kc,
