@@ -21,7 +21,7 @@ fn tensor(x: &[f32], shape: (usize, usize, usize)) -> Tensor {
 fn cache<F: CodecFactory>(f: &F, centered: bool) -> CompressedCache {
     let (k, v) = f.codecs(0, &geom()).expect("codecs");
     CompressedCache::new(geom(), f.method(), Arc::new(k), Arc::new(v), 8, 2)
-        .with_key_centering(centered)
+        .with_key_centering(centered.then_some(0.0))
 }
 
 /// Relative L2 error of the last query row's attention through `f`'s cache against exact
@@ -152,12 +152,13 @@ fn presets_turn_centering_off_and_bad_values_are_errors() {
             calibration: None,
         })
     };
-    assert!(build(&args("")).expect("default").center_keys);
-    assert!(
-        !build(&args("center_keys = false"))
-            .expect("off")
-            .center_keys
-    );
+    let default = build(&args("")).expect("default");
+    assert!(default.center_keys && default.center_min_share == 0);
+    assert_eq!(default.key_centering(), Some(0.0));
+    let off = build(&args("center_keys = false")).expect("off");
+    assert_eq!(off.key_centering(), None);
+    let some = build(&args("center_min_share = 90")).expect("some heads");
+    assert_eq!(some.key_centering(), Some(0.9));
     let err = build(&args("center_keys = 1")).expect_err("not a bool");
     assert!(err.to_string().contains("true or false"), "{err}");
     let qjl = QjlFactory::from_args(&BuildArgs {
@@ -167,5 +168,117 @@ fn presets_turn_centering_off_and_bad_values_are_errors() {
         calibration: None,
     })
     .expect("qjl");
-    assert!(!qjl.center_keys);
+    assert_eq!(qjl.key_centering(), None);
+}
+
+#[test]
+fn heads_whose_common_part_is_small_code_raw_keys() {
+    // An offset of 3 per coordinate is 90% of the keys' energy: centered at a 50% threshold,
+    // raw at 95% (the same output as no centering at all).
+    let f = TurboQuantMseFactory::new(3);
+    let with = |centering: Option<f32>| {
+        let g = geom();
+        let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
+        let mut k = gauss(kvh * T * d, 31);
+        k.iter_mut().for_each(|x| *x += 3.0);
+        let v = gauss(kvh * T * d, 32);
+        let q = gauss(h * d, 33);
+        let (kc, vc) = f.codecs(0, &g).expect("codecs");
+        let mut c = CompressedCache::new(g, f.method(), Arc::new(kc), Arc::new(vc), 8, 2)
+            .with_key_centering(centering);
+        c.append(&tensor(&k, (kvh, T, d)), &tensor(&v, (kvh, T, d)))
+            .expect("append");
+        c.attend(&tensor(&q, (h, 1, d)), 0.125)
+            .and_then(|x| Ok(x.flatten_all()?.to_vec1::<f32>()?))
+            .expect("attend")
+    };
+    let (half, high, none) = (with(Some(0.5)), with(Some(0.95)), with(None));
+    let dist = |a: &[f32], b: &[f32]| -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).powi(2))
+            .sum::<f32>()
+            .sqrt()
+    };
+    // Raw keys at a 95% threshold differ from no centering only by their fp16 rounding.
+    let (d_high, d_half) = (dist(&high, &none), dist(&half, &none));
+    eprintln!("distance from no centering: 95% threshold {d_high:.5}, 50% {d_half:.5}");
+    assert!(d_high < 0.2 * d_half, "{d_high} vs {d_half}");
+}
+
+/// Output of a cache of `f` (window 8, 2 sinks, centered) for `T` keys and values appended in
+/// `chunk`-sized pieces, each followed by its queries; keys and queries scaled by `gain`.
+fn run_scaled<F: CodecFactory>(f: &F, gain: f32, chunk: usize) -> (Vec<f32>, Vec<f32>, usize) {
+    let g = geom();
+    let (h, kvh, d) = (g.n_heads, g.n_kv_heads, g.head_dim);
+    let k: Vec<f32> = gauss(kvh * T * d, 41).iter().map(|x| x * gain).collect();
+    let v = gauss(kvh * T * d, 42);
+    let q: Vec<f32> = gauss(h * T * d, 43).iter().map(|x| x * gain).collect();
+    let part = |x: &[f32], heads: usize, from: usize, n: usize| {
+        let rows: Vec<f32> = (0..heads)
+            .flat_map(|hh| {
+                x[(hh * T + from) * d..(hh * T + from + n) * d]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        tensor(&rows, (heads, n, d))
+    };
+    let mut c = cache(f, true);
+    let mut out = vec![0f32; h * T * d];
+    for from in (0..T).step_by(chunk) {
+        let n = chunk.min(T - from);
+        c.append(&part(&k, kvh, from, n), &part(&v, kvh, from, n))
+            .expect("append");
+        let o = c
+            .attend(&part(&q, h, from, n), 0.125)
+            .and_then(|x| Ok(x.flatten_all()?.to_vec1::<f32>()?))
+            .expect("attend");
+        for hh in 0..h {
+            out[(hh * T + from) * d..(hh * T + from + n) * d]
+                .copy_from_slice(&o[hh * n * d..(hh + 1) * n * d]);
+        }
+    }
+    let want = attention_reference(&q, &k, &v, h, kvh, T, T, d, 0.125, None);
+    (out, want, c.resident_bytes())
+}
+
+#[test]
+fn layers_too_sharp_for_codes_stay_fp16() {
+    let f = TurboQuantMseFactory::new(3);
+    let rel = |a: &[f32], b: &[f32]| {
+        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+        (num / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
+    };
+    // Gaussian keys and queries: logit spread 0.125 * 8 * 8 = 8, codes answer.
+    let (out, want, bytes) = run_scaled(&f, 1.0, 40);
+    let plain = rel(&out, &want);
+    // Both scaled by 6: spread 288, above SHARP_LOGITS; every key is read from fp16, to fp16's
+    // rounding, and no codes are held.
+    let (sharp_out, sharp_want, sharp_bytes) = run_scaled(&f, 6.0, 40);
+    let sharp = rel(&sharp_out, &sharp_want);
+    eprintln!("relative error: plain {plain:.4}, sharp {sharp:.5}; bytes {bytes} vs {sharp_bytes}");
+    assert!(plain > 0.05, "codes answer the plain layer: {plain}");
+    assert!(sharp < 0.01, "the sharp layer reads fp16: {sharp}");
+    // fp16 keys and values of every token (the sinks' copy on top), no codes: 2 bytes per value.
+    let fp16_bytes = 2 * 2 * T * 64 * 2;
+    assert!(
+        sharp_bytes >= fp16_bytes && sharp_bytes < fp16_bytes * 2,
+        "{sharp_bytes} bytes, fp16 alone {fp16_bytes}"
+    );
+    // The decision does not depend on how the text was split.
+    let (stepped, _, _) = run_scaled(&f, 6.0, 1);
+    let diff = sharp_out
+        .iter()
+        .zip(&stepped)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-5, "chunked vs stepped: {diff}");
+    let (plain_stepped, _, _) = run_scaled(&f, 1.0, 1);
+    let diff = out
+        .iter()
+        .zip(&plain_stepped)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-5, "chunked vs stepped: {diff}");
 }

@@ -45,7 +45,7 @@ fn compressed<F: CodecFactory>(f: &F) -> Pair {
             f.window(),
             f.sinks(),
         )
-        .with_key_centering(f.center_keys())
+        .with_key_centering(f.key_centering())
     };
     (Box::new(make()), Box::new(make().keep_all()))
 }

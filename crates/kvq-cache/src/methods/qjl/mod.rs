@@ -41,7 +41,8 @@
 //! Params (a preset's `[params]`): `value_bits`, `group_size`, `outliers` override the table's
 //! split (m then fills the rest of the budget; a split that leaves no room is an error);
 //! `sketch_dim` sets m directly unless the request sets bits (which then fill their budget);
-//! `window` (64), `sinks` (0), `seed`, `center_keys` (true: see `crate::compressed`).
+//! `window` (64), `sinks` (0), `seed`, `center_keys` (true) and
+//! `center_min_share` (0): see `crate::compressed`.
 
 pub mod keys;
 pub mod values;
@@ -88,8 +89,10 @@ pub struct QjlFactory {
     pub sinks: usize,
     /// Seed of the sketch matrices.
     pub seed: u64,
-    /// Code keys centered (see `crate::compressed`).
+    /// Code keys centered (see `crate::compressed`) in the kv heads whose center carries at
+    /// least `center_min_share` percent of their first keys' energy (0: all).
     pub center_keys: bool,
+    pub center_min_share: u32,
 }
 
 impl QjlFactory {
@@ -109,6 +112,7 @@ impl QjlFactory {
             sinks: 0,
             seed: 0x51_4A4C,
             center_keys: true,
+            center_min_share: 0,
         }
     }
 
@@ -129,6 +133,7 @@ impl QjlFactory {
             sinks: a.param_or("sinks", base.sinks)?,
             seed: a.param_or("seed", base.seed)?,
             center_keys: a.flag_or("center_keys", base.center_keys)?,
+            center_min_share: a.param_or("center_min_share", base.center_min_share)?,
         };
         f.validate()?;
         Ok(f)
@@ -220,8 +225,9 @@ impl CodecFactory for QjlFactory {
         self.sinks
     }
 
-    fn center_keys(&self) -> bool {
+    fn key_centering(&self) -> Option<f32> {
         self.center_keys
+            .then_some(self.center_min_share.min(100) as f32 / 100.0)
     }
 }
 

@@ -162,9 +162,13 @@ pub fn resident_ratio(f: &dyn CacheFactory, key_bytes: usize, value_bytes: usize
     let len = 8192 - 64;
     let k = tensor(&gauss(kvh * len * d, 1), (kvh, len, d));
     cache.append(&k, &k).unwrap();
+    // As a model does: each append is followed by its queries (here the last row only).
+    let q = tensor(&gauss(g.n_heads * d, 3), (g.n_heads, 1, d));
+    cache.attend(&q, 0.125).expect("attend");
     let one = tensor(&gauss(kvh * d, 2), (kvh, 1, d));
     for _ in 0..64 {
         cache.append(&one, &one).unwrap();
+        cache.attend(&q, 0.125).expect("attend");
     }
     let n = cache.len();
     let promised = kvh * (n * (key_bytes + value_bytes) + 2 * 64 * d * 2);

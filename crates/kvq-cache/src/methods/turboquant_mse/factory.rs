@@ -18,6 +18,8 @@ pub trait BitsMethod: 'static {
     const DEFAULT_BITS: u8;
     /// Seed of the rotations (values use `seed ^ 0xA5A5`).
     const SEED: u64;
+    /// Default `center_min_share` (percent, see [`BitsFactory`]).
+    const CENTER_MIN_SHARE: u32;
     type Keys: KeyCodec + 'static;
     type Values: ValueCodec + 'static;
     /// The key codec of one layer, seeded by (`seed`, layer, head).
@@ -56,8 +58,11 @@ pub struct BitsFactory<M> {
     pub sinks: usize,
     /// Seed of the rotations.
     pub seed: u64,
-    /// Code keys centered (see `crate::compressed`).
+    /// Code keys centered (see `crate::compressed`) ...
     pub center_keys: bool,
+    /// ... in the kv heads whose center carries at least this percentage of their first keys'
+    /// energy.
+    pub center_min_share: u32,
     pub method: PhantomData<fn() -> M>,
 }
 
@@ -78,6 +83,7 @@ impl<M: BitsMethod> std::fmt::Debug for BitsFactory<M> {
             .field("sinks", &self.sinks)
             .field("seed", &self.seed)
             .field("center_keys", &self.center_keys)
+            .field("center_min_share", &self.center_min_share)
             .finish()
     }
 }
@@ -92,12 +98,13 @@ impl<M: BitsMethod> BitsFactory<M> {
             sinks: 0,
             seed: M::SEED,
             center_keys: true,
+            center_min_share: M::CENTER_MIN_SHARE,
             method: PhantomData,
         }
     }
 
     /// Builds from a registry request; a preset may set `key_bits`, `value_bits`, `window`,
-    /// `sinks`, `seed` and `center_keys` in its `[params]`, and request bits override both key and value bits.
+    /// `sinks`, `seed`, `center_keys` and `center_min_share` in its `[params]`, and request bits override both key and value bits.
     pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
         let base = Self::new(u32::from(M::DEFAULT_BITS));
         let f = Self {
@@ -107,6 +114,7 @@ impl<M: BitsMethod> BitsFactory<M> {
             sinks: a.param_or("sinks", base.sinks)?,
             seed: a.param_or("seed", base.seed)?,
             center_keys: a.flag_or("center_keys", base.center_keys)?,
+            center_min_share: a.param_or("center_min_share", base.center_min_share)?,
             method: PhantomData,
         };
         M::check_bits(f.key_bits, f.value_bits)?;
@@ -147,7 +155,8 @@ impl<M: BitsMethod> CodecFactory for BitsFactory<M> {
         self.sinks
     }
 
-    fn center_keys(&self) -> bool {
+    fn key_centering(&self) -> Option<f32> {
         self.center_keys
+            .then_some(self.center_min_share.min(100) as f32 / 100.0)
     }
 }

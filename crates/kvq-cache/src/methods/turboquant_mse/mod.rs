@@ -165,6 +165,8 @@ impl factory::BitsMethod for Mse {
     const VALID_BITS: &'static [u8] = &[2, 3, 4];
     const DEFAULT_BITS: u8 = 4;
     const SEED: u64 = 0x7u64 << 40 | 0x7451;
+    /// Centering: every head (see `crate::compressed`).
+    const CENTER_MIN_SHARE: u32 = 0;
     type Keys = MseCodec;
     type Values = MseCodec;
 

@@ -117,6 +117,8 @@ impl BitsMethod for Prod {
     const VALID_BITS: &'static [u8] = &[2, 3, 4];
     const DEFAULT_BITS: u8 = 3;
     const SEED: u64 = 0x7u64 << 40 | 0x9D0D;
+    /// Centering: every head (see `crate::compressed`).
+    const CENTER_MIN_SHARE: u32 = 0;
     type Keys = ProdKeyCodec;
     type Values = MseCodec;
 

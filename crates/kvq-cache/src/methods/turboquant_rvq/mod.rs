@@ -194,6 +194,8 @@ impl BitsMethod for Rvq {
     const VALID_BITS: &'static [u8] = &VALID_BITS;
     const DEFAULT_BITS: u8 = 4;
     const SEED: u64 = 0x7u64 << 40 | 0x7452;
+    /// Centering: every head (see `crate::compressed`).
+    const CENTER_MIN_SHARE: u32 = 0;
     type Keys = RvqCodec;
     type Values = RvqCodec;
 

@@ -154,8 +154,8 @@ impl CodecFactory for VecInferFactory {
     }
 
     /// The codebooks and smoothing factors were trained on raw keys.
-    fn center_keys(&self) -> bool {
-        false
+    fn key_centering(&self) -> Option<f32> {
+        None
     }
 
     fn codecs(&self, layer: usize, geom: &CacheGeometry) -> Result<(VqKeyCodec, VqValueCodec)> {

@@ -12,14 +12,31 @@
 //! what varies between keys. Qwen2.5's keys carry a common part (its k bias) of up to 99.8% of
 //! their energy in some layers; coded raw, its chat answers fall apart after ~70 tokens at 4 bits.
 //! Queries before the center is fixed (positions below `sinks + CENTER_ROWS`) read every key from
-//! fp16, so no query depends on how the text was split into appends. A factory turns centering
-//! off where its codecs expect raw keys (VecInfer) or where it measured worse (a preset's
-//! `center_keys = false`).
+//! fp16, so no query depends on how the text was split into appends.
+//!
+//! Which heads: a factory says ([`CodecFactory::key_centering`]). A head whose center carries
+//! less than the factory's share of its first keys' energy codes raw keys (zero center). TurboQuant
+//! and QJL center every head by default (a preset may set `center_min_share`); VecInfer, whose
+//! codebooks were trained on raw keys, none. Perplexity at ctx 2048, raw -> every head centered:
+//! Gemma-3-270M MSE 3-bit +18.1% -> +5.0%, Prod 4-bit +58% -> +15.5%; SmolLM2 Prod 3-bit +33.3%
+//! -> +24.4%, QJL 4-bit +48.5% -> +44.1%, but MSE 4-bit +0.28% -> +0.53% (a scalar code's error
+//! on a shared part is shared by every key and cancels in softmax, so centering gains little
+//! there); Qwen2.5 MSE 4-bit +2122% -> +165% (docs/benchmarks/quality.md).
+//!
+//! Sharp layers: a layer whose logits spread too far for any code (Qwen2.5's layer 0) keeps
+//! every key in fp16 and holds no codes; it is recognized from the queries and keys at the
+//! positions that fix the center ([`SHARP_LOGITS`], `center.rs`), so the decision too is the same
+//! however the text was split. Such a layer does not roll under a sliding window.
+
+mod center;
+
+pub use center::{CENTER_ROWS, SHARP_LOGITS};
 
 use crate::attention::{dot, window_start};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
 use candle_core::{DType, Tensor};
+use center::Center;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvq_kernels::{
@@ -43,10 +60,11 @@ pub trait CodecFactory: Send + Sync {
     fn window(&self) -> usize;
     /// First tokens kept in fp16.
     fn sinks(&self) -> usize;
-    /// Whether keys are coded centered (see the module docs); methods whose codecs were trained
-    /// on raw keys (VecInfer's codebooks) say no.
-    fn center_keys(&self) -> bool {
-        true
+    /// Which keys are coded centered (see the module docs): `None` none (VecInfer: its codebooks
+    /// were trained on raw keys); `Some(share)` the kv heads whose center carries at least
+    /// `share` of their first keys' energy (`0.0`: every head).
+    fn key_centering(&self) -> Option<f32> {
+        Some(0.0)
     }
 }
 
@@ -66,30 +84,9 @@ impl<F: CodecFactory> CacheFactory for F {
                 self.window(),
                 self.sinks(),
             )
-            .with_key_centering(self.center_keys()),
+            .with_key_centering(self.key_centering()),
         ))
     }
-}
-
-/// Keys past the sinks the key center is the mean of; it is fixed once a layer has seen them.
-/// Few and early on purpose: Qwen2.5 makes secondary attention sinks of its system prompt's
-/// punctuation (positions 2-23 hold 35% of the attention in its middle layers), and a center
-/// close to them codes them best. Measured (KL divergence vs fp16 on SmolLM2, ctx 512, 8 chunks;
-/// raw / 16 rows / 64 rows): MSE 4-bit 0.0075 / 0.0066 / 0.0074, Prod 3-bit 0.343 / 0.160 /
-/// 0.177, QJL 3-bit 0.648 / 0.643 / 0.484, RVQ 2-bit 0.141 / 0.174 / 0.180. Qwen2.5's chat
-/// answer at MSE 4-bit and 4 sinks stays clean with 16 and 28 rows and breaks with 64 (raw, it
-/// breaks after ~70 tokens); Prod and QJL 4-bit still slip a word here and there.
-pub const CENTER_ROWS: usize = 16;
-
-/// The key center of a cache (see the module docs).
-enum Center {
-    /// Not fixed yet: codes so far are of raw keys and get re-encoded when it is.
-    Pending,
-    /// Keys are coded raw: centering is off, or the early keys' fp16 rows were gone when the
-    /// center could have been fixed.
-    Off,
-    /// `[kv head][d]`, subtracted from every key before encoding.
-    On(Vec<f32>),
 }
 
 /// Positions by which code rows grow (so `resident_bytes` stays close to the promised size).
@@ -200,6 +197,11 @@ pub struct CompressedCache {
     /// Drop code rows that left the sliding window (see [`Self::keep_all`]).
     roll: bool,
     center: Center,
+    /// Heads whose center carries less of their first keys' energy code raw keys.
+    center_share: f32,
+    /// Squared norms of the query rows at the positions that fix the center, and their count.
+    q_sq: f64,
+    q_rows: usize,
 }
 
 impl CompressedCache {
@@ -229,67 +231,18 @@ impl CompressedCache {
             len: 0,
             roll: true,
             center: Center::Pending,
+            center_share: 0.0,
+            q_sq: 0.0,
+            q_rows: 0,
         }
     }
 
-    /// Turns key centering (see the module docs) on (the default) or off.
-    pub fn with_key_centering(mut self, on: bool) -> Self {
-        self.center = if on { Center::Pending } else { Center::Off };
+    /// Key centering (see the module docs and [`CodecFactory::key_centering`]); the default is
+    /// `Some(0.0)`, every head.
+    pub fn with_key_centering(mut self, centering: Option<f32>) -> Self {
+        self.center = centering.map_or(Center::Off, |_| Center::Pending);
+        self.center_share = centering.unwrap_or(0.0);
         self
-    }
-
-    /// The key rows to encode for an append of `k` (`[kv heads, t, d]`; `kd` its values) and the
-    /// position they start at. Centered keys are rounded to fp16 first, so a center fixed in a
-    /// prefill chunk and one fixed by single decode steps (from the fp16 rows) code alike: what
-    /// a query sees does not depend on how the text was split into appends.
-    fn keys_to_encode(&mut self, k: &Tensor, kd: &[f32]) -> Result<(Tensor, usize)> {
-        let (kvh, t, d) = k.dims3()?;
-        let (len, end, want) = (self.len, self.len + t, self.sinks + CENTER_ROWS);
-        let round = |x: &f32| f16::from_f32(*x).to_f32();
-        let fix_now = match self.center {
-            Center::Off => return Ok((k.clone(), len)),
-            Center::Pending if end < want => return Ok((k.clone(), len)),
-            // Not reached (fp16 rows are kept while pending); the codes so far are raw.
-            Center::Pending if self.recent_k.first > 0 => {
-                self.center = Center::Off;
-                return Ok((k.clone(), len));
-            }
-            Center::Pending => true,
-            Center::On(_) => false,
-        };
-        let (from, rows) = if fix_now { (0, end) } else { (len, t) };
-        // `[kv head][rows][d]`: every key so far when the center is fixed now (the earlier ones
-        // from their fp16 rows, all kept while it was pending), else the new ones.
-        let mut x = vec![0f32; kvh * rows * d];
-        for (h, dst) in x.chunks_mut(rows * d).enumerate() {
-            let (early, new) = dst.split_at_mut((len - from) * d);
-            if fix_now {
-                self.recent_k.rows[h][..len * d].convert_to_f32_slice(early);
-            }
-            for (o, v) in new.iter_mut().zip(&kd[h * t * d..(h + 1) * t * d]) {
-                *o = round(v);
-            }
-        }
-        if fix_now {
-            let mut mu = vec![0f32; kvh * d];
-            for (h, m) in mu.chunks_mut(d).enumerate() {
-                for r in self.sinks..want {
-                    let row = &x[(h * rows + r) * d..(h * rows + r + 1) * d];
-                    m.iter_mut().zip(row).for_each(|(m, v)| *m += v);
-                }
-                m.iter_mut().for_each(|m| *m /= CENTER_ROWS as f32);
-            }
-            self.center = Center::On(mu);
-        }
-        if let Center::On(mu) = &self.center {
-            for (h, dst) in x.chunks_mut(rows * d).enumerate() {
-                let m = &mu[h * d..(h + 1) * d];
-                for row in dst.chunks_mut(d) {
-                    row.iter_mut().zip(m).for_each(|(v, m)| *v -= m);
-                }
-            }
-        }
-        Ok((Tensor::from_vec(x, (kvh, rows, d), k.device())?, from))
     }
 
     /// Keeps every code row even under a sliding window: what the rolling cache must equal
@@ -301,8 +254,8 @@ impl CompressedCache {
 
     /// Drops fp16 rows no future query can need (all but the last `window - 1` positions).
     fn trim_recent(&mut self) {
-        if let Center::Pending = self.center {
-            // The keys the center is fixed from are re-encoded from these rows.
+        if self.holds_rows() {
+            // Re-encoded from when the center is fixed, or read by every query of a sharp layer.
             return;
         }
         let d = self.geom.head_dim;
@@ -333,7 +286,8 @@ impl CompressedCache {
             code_first: self.key_codes.first,
             exact_before: match self.center {
                 Center::Off => 0,
-                Center::Pending | Center::On(_) => self.sinks + CENTER_ROWS,
+                _ if self.is_exact() => usize::MAX,
+                Center::Pending | Center::On { .. } => self.sinks + CENTER_ROWS,
             },
         }
     }
@@ -375,10 +329,8 @@ impl CompressedCache {
                     _ => &empty[..],
                 };
                 let mut part = Partial::from_row(part);
-                if let Center::On(mu) = &self.center {
-                    // The codes scored `q . (k - mu)`; softmax needs `q . k`.
-                    part.max += p.scale * dot(qrow, &mu[kh * d..(kh + 1) * d]);
-                }
+                // The codes scored `q . (k - mu)`; softmax needs `q . k`.
+                part.max += p.scale * self.center_score(kh, qrow);
                 let value = |i: usize, buf: &mut [f32]| {
                     let j = at[i];
                     let rows = if j < c0 { &self.sink_v } else { &self.recent_v };
@@ -404,11 +356,17 @@ impl KvCache for CompressedCache {
             false => 0,
         };
         let kd = k.flatten_all()?.to_vec1::<f32>()?;
-        let (centered, at) = self.keys_to_encode(&k, &kd)?;
-        self.key_codes
-            .write(&encode_keys(&self.keys, &centered)?, at, keep_from)?;
-        self.val_codes
-            .write(&encode_values(&self.values, &v)?, self.len, keep_from)?;
+        if self.is_exact() {
+            // Every query reads fp16 here: codes would only take memory.
+            self.key_codes = CodeBuf::new(kvh, self.keys.code_bytes());
+            self.val_codes = CodeBuf::new(kvh, self.values.code_bytes());
+        } else {
+            let (centered, at) = self.keys_to_encode(&k, &kd)?;
+            self.key_codes
+                .write(&encode_keys(&self.keys, &centered)?, at, keep_from)?;
+            self.val_codes
+                .write(&encode_values(&self.values, &v)?, self.len, keep_from)?;
+        }
         let vd = v.flatten_all()?.to_vec1::<f32>()?;
         for h in 0..kvh {
             for i in 0..t {
@@ -434,6 +392,10 @@ impl KvCache for CompressedCache {
 
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
         let t = self.geom.check_attend(self.len, q)?;
+        let q = q.contiguous()?;
+        let qv = q.flatten_all()?.to_vec1::<f32>()?;
+        self.observe_queries(&qv, t, self.len - t);
+        self.decide_exact(self.len - 1, scale);
         let p = self.params(t, scale);
         // The fp16 rows of the first query's window must still be here (they are unless the
         // caller attends twice for the same positions: the first attend released them).
@@ -445,7 +407,6 @@ impl KvCache for CompressedCache {
                 p.first_pos, self.recent_k.first
             )));
         }
-        let q = q.contiguous()?;
         let (_, c0, c1) = p.ranges(self.len.saturating_sub(1));
         let parts = match (
             c1 > c0,
@@ -459,7 +420,6 @@ impl KvCache for CompressedCache {
             ),
             _ => None,
         };
-        let qv = q.flatten_all()?.to_vec1::<f32>()?;
         let out = self.merge(&qv, parts.as_deref(), t, p);
         // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.
         self.trim_recent();
@@ -513,12 +473,14 @@ impl KvCache for CompressedCache {
         self.len = n;
         if n < self.sinks + CENTER_ROWS
             && self.recent_k.first == 0
-            && matches!(self.center, Center::On(_))
+            && matches!(self.center, Center::On { .. })
         {
             // The center came from keys that are gone: fix it again from the next ones, as a
-            // fresh cache would (every fp16 row is still here to re-encode the kept codes from).
-            // Without those rows the old center stays: every code was made with it.
+            // fresh cache would (every fp16 row is still here to re-encode the kept codes from),
+            // and decide sharpness from the queries that come from now on. Without those rows
+            // the old center stays: every code was made with it.
             self.center = Center::Pending;
+            (self.q_sq, self.q_rows) = (0.0, 0);
         }
         Ok(())
     }

@@ -1,0 +1,182 @@
+//! Key centering and sharp layers of a compressed cache (see the parent module's docs): the
+//! center's state, encoding keys around it, and the one decision made from the first queries.
+
+use super::CompressedCache;
+use candle_core::Tensor;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::Result;
+
+/// Keys past the sinks the key center is the mean of; it is fixed once a layer has seen them.
+/// Few and early on purpose: Qwen2.5 makes secondary attention sinks of its system prompt's
+/// punctuation (positions 2-23 hold 35% of the attention in its middle layers), and a center
+/// close to them codes them best. Measured (KL divergence vs fp16 on SmolLM2, ctx 512, 8 chunks;
+/// raw / 16 rows / 64 rows): MSE 4-bit 0.0075 / 0.0066 / 0.0074, Prod 3-bit 0.343 / 0.160 /
+/// 0.177, QJL 3-bit 0.648 / 0.643 / 0.484, RVQ 2-bit 0.141 / 0.174 / 0.180 (every head
+/// centered). Qwen2.5's chat answer at MSE 4-bit and 4 sinks stays clean with 16 and 28 rows and
+/// breaks with 64 (raw, it breaks after ~70 tokens); Prod and QJL 4-bit still slip a word here
+/// and there.
+pub const CENTER_ROWS: usize = 16;
+
+/// The key center of a cache (see the module docs).
+pub(super) enum Center {
+    /// Not fixed yet: codes so far are of raw keys and get re-encoded when it is.
+    Pending,
+    /// Keys are coded raw: centering is off, or the early keys' fp16 rows were gone when the
+    /// center could have been fixed.
+    Off,
+    /// Fixed. `mu`: `[kv head][d]`, subtracted from every key before encoding (zeros for a head
+    /// coded raw); `spread`: the RMS distance of the keys it was fixed from to their mean; `exact`:
+    /// whether this layer's logits are too sharp for codes ([`SHARP_LOGITS`]), once known.
+    On {
+        mu: Vec<f32>,
+        spread: f32,
+        exact: Option<bool>,
+    },
+}
+
+/// A layer whose typical logit spread at the first keys past the sinks, `scale * rms|q| *
+/// rms|k - mean k|`, exceeds this keeps every key in fp16: its softmax is so sharp that any code
+/// error moves it. Measured on the first 16 keys past 4 sinks of a 2048-token Shakespeare chunk:
+/// Qwen2.5-Coder-0.5B's layer 0 345 (rms |q| 63, spread 44; its attention error at 4 bits 0.96
+/// against <= 0.17 in every other layer; with it in fp16, perplexity at 4 bits goes from +165% to
+/// +0.6%); every other layer at most 32 (Qwen2.5), 21 (SmolLM2), 73 (Gemma-3-270M).
+pub const SHARP_LOGITS: f32 = 150.0;
+
+impl CompressedCache {
+    /// Counts the squared norms of the query rows at positions `sinks..sinks + CENTER_ROWS` (the
+    /// positions whose keys fix the center); `qv` is `[heads][t][d]` for positions from `first`.
+    pub(super) fn observe_queries(&mut self, qv: &[f32], t: usize, first: usize) {
+        let d = self.geom.head_dim;
+        let (lo, hi) = (self.sinks, self.sinks + CENTER_ROWS);
+        for h in 0..self.geom.n_heads {
+            for r in 0..t {
+                if (lo..hi).contains(&(first + r)) {
+                    let row = &qv[(h * t + r) * d..(h * t + r + 1) * d];
+                    self.q_sq += row.iter().map(|v| f64::from(v * v)).sum::<f64>();
+                    self.q_rows += 1;
+                }
+            }
+        }
+    }
+
+    /// Once a query at or past `sinks + CENTER_ROWS` comes (every query before it has been
+    /// observed, however the text was split), decides whether this layer stays in fp16.
+    pub(super) fn decide_exact(&mut self, last_pos: usize, scale: f32) {
+        if last_pos < self.sinks + CENTER_ROWS {
+            return;
+        }
+        let q_rms = (self.q_sq / self.q_rows.max(1) as f64).sqrt() as f32;
+        if let Center::On { spread, exact, .. } = &mut self.center
+            && exact.is_none()
+        {
+            let sharp = scale * q_rms * *spread;
+            *exact = Some(sharp > SHARP_LOGITS);
+        }
+    }
+
+    /// Whether this layer reads every key from fp16 (its logits are too sharp for codes).
+    pub(super) fn is_exact(&self) -> bool {
+        matches!(
+            self.center,
+            Center::On {
+                exact: Some(true),
+                ..
+            }
+        )
+    }
+
+    /// Whether the fp16 rows must all stay: the center is not fixed, or the layer's sharpness is
+    /// not decided yet, or it is exact.
+    pub(super) fn holds_rows(&self) -> bool {
+        matches!(
+            self.center,
+            Center::Pending
+                | Center::On {
+                    exact: None | Some(true),
+                    ..
+                }
+        )
+    }
+
+    /// `q . mu` of kv head `kh`: what the codes' scores lack.
+    pub(super) fn center_score(&self, kh: usize, q: &[f32]) -> f32 {
+        let d = self.geom.head_dim;
+        match &self.center {
+            Center::On { mu, .. } => crate::attention::dot(q, &mu[kh * d..(kh + 1) * d]),
+            _ => 0.0,
+        }
+    }
+
+    /// The key rows to encode for an append of `k` (`[kv heads, t, d]`; `kd` its values) and the
+    /// position they start at. Centered keys are rounded to fp16 first, so a center fixed in a
+    /// prefill chunk and one fixed by single decode steps (from the fp16 rows) code alike: what
+    /// a query sees does not depend on how the text was split into appends.
+    pub(super) fn keys_to_encode(&mut self, k: &Tensor, kd: &[f32]) -> Result<(Tensor, usize)> {
+        let (kvh, t, d) = k.dims3()?;
+        let (len, end, want) = (self.len, self.len + t, self.sinks + CENTER_ROWS);
+        let round = |x: &f32| f16::from_f32(*x).to_f32();
+        let fix_now = match self.center {
+            Center::Off => return Ok((k.clone(), len)),
+            Center::Pending if end < want => return Ok((k.clone(), len)),
+            // Not reached (fp16 rows are kept while pending); the codes so far are raw.
+            Center::Pending if self.recent_k.first > 0 => {
+                self.center = Center::Off;
+                return Ok((k.clone(), len));
+            }
+            Center::Pending => true,
+            Center::On { .. } => false,
+        };
+        let (from, rows) = if fix_now { (0, end) } else { (len, t) };
+        // `[kv head][rows][d]`: every key so far when the center is fixed now (the earlier ones
+        // from their fp16 rows, all kept while it was pending), else the new ones.
+        let mut x = vec![0f32; kvh * rows * d];
+        for (h, dst) in x.chunks_mut(rows * d).enumerate() {
+            let (early, new) = dst.split_at_mut((len - from) * d);
+            if fix_now {
+                self.recent_k.rows[h][..len * d].convert_to_f32_slice(early);
+            }
+            for (o, v) in new.iter_mut().zip(&kd[h * t * d..(h + 1) * t * d]) {
+                *o = round(v);
+            }
+        }
+        if fix_now {
+            let mut mu = vec![0f32; kvh * d];
+            let mut spread = 0f32;
+            for (h, m) in mu.chunks_mut(d).enumerate() {
+                for r in self.sinks..want {
+                    let row = &x[(h * rows + r) * d..(h * rows + r + 1) * d];
+                    m.iter_mut().zip(row).for_each(|(m, v)| *m += v);
+                }
+                m.iter_mut().for_each(|m| *m /= CENTER_ROWS as f32);
+                let mean_sq = m.iter().map(|v| v * v).sum::<f32>();
+                let energy = (self.sinks..want)
+                    .map(|r| x[(h * rows + r) * d..(h * rows + r + 1) * d].iter())
+                    .map(|row| row.map(|v| v * v).sum::<f32>())
+                    .sum::<f32>()
+                    / CENTER_ROWS as f32;
+                // Mean squared distance to the mean = mean squared norm - squared norm of the mean.
+                spread += (energy - mean_sq).max(0.0) / kvh as f32;
+                let share = mean_sq / energy.max(f32::MIN_POSITIVE);
+                if share < self.center_share {
+                    m.fill(0.0);
+                }
+            }
+            self.center = Center::On {
+                mu,
+                spread: spread.sqrt(),
+                exact: None,
+            };
+        }
+        if let Center::On { mu, .. } = &self.center {
+            for (h, dst) in x.chunks_mut(rows * d).enumerate() {
+                let m = &mu[h * d..(h + 1) * d];
+                for row in dst.chunks_mut(d) {
+                    row.iter_mut().zip(m).for_each(|(v, m)| *v -= m);
+                }
+            }
+        }
+        Ok((Tensor::from_vec(x, (kvh, rows, d), k.device())?, from))
+    }
+}
