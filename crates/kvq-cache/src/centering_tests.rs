@@ -18,6 +18,30 @@ fn tensor(x: &[f32], shape: (usize, usize, usize)) -> Tensor {
     Tensor::from_slice(x, shape, &Device::Cpu).expect("tensor")
 }
 
+/// Rows `from..from + n` of every head of `x` (`[heads][len][d]`, d = 64), as a tensor.
+fn rows(x: &[f32], heads: usize, len: usize, from: usize, n: usize) -> Tensor {
+    let d = 64;
+    let out: Vec<f32> = (0..heads)
+        .flat_map(|h| {
+            x[(h * len + from) * d..(h * len + from + n) * d]
+                .iter()
+                .copied()
+        })
+        .collect();
+    tensor(&out, (heads, n, d))
+}
+
+/// Relative L2 distance of `got` from `want`.
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+    (num / den).sqrt()
+}
+
 fn cache<F: CodecFactory>(f: &F, centered: bool) -> CompressedCache {
     let (k, v) = f.codecs(0, &geom()).expect("codecs");
     CompressedCache::new(geom(), f.method(), Arc::new(k), Arc::new(v), 8, 2)
@@ -44,13 +68,7 @@ fn error<F: CodecFactory>(f: &F, centered: bool, offset: f32) -> f64 {
             .expect("attend");
         // One query row, at position T - 1.
         let want = attention_reference(&q, &k, &v, h, kvh, 1, T, d, 0.125, None);
-        let num: f64 = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-        total += (num / den).sqrt();
+        total += rel_l2(&got, &want);
     }
     total / 3.0
 }
@@ -109,30 +127,22 @@ fn centering_does_not_depend_on_how_the_text_was_split() {
     let mut k = gauss(kvh * t * d, 21);
     k.iter_mut().for_each(|x| *x += 2.0);
     let (v, q) = (gauss(kvh * t * d, 22), gauss(h * t * d, 23));
-    let part = |x: &[f32], heads: usize, from: usize, n: usize| -> Tensor {
-        let rows: Vec<f32> = (0..heads)
-            .flat_map(|hh| {
-                x[(hh * t + from) * d..(hh * t + from + n) * d]
-                    .iter()
-                    .copied()
-            })
-            .collect();
-        tensor(&rows, (heads, n, d))
-    };
     let f = TurboQuantMseFactory::new(3);
     let mut whole = cache(&f, true);
     whole
-        .append(&part(&k, kvh, 0, t), &part(&v, kvh, 0, t))
+        .append(&rows(&k, kvh, t, 0, t), &rows(&v, kvh, t, 0, t))
         .expect("append");
-    let a = whole.attend(&part(&q, h, 0, t), 0.125).expect("attend");
+    let a = whole.attend(&rows(&q, h, t, 0, t), 0.125).expect("attend");
     // Chunks of 25: the center is fixed inside the third chunk.
     let mut split = cache(&f, true);
     for from in (0..t).step_by(25) {
         let n = 25.min(t - from);
         split
-            .append(&part(&k, kvh, from, n), &part(&v, kvh, from, n))
+            .append(&rows(&k, kvh, t, from, n), &rows(&v, kvh, t, from, n))
             .expect("append");
-        let b = split.attend(&part(&q, h, from, n), 0.125).expect("attend");
+        let b = split
+            .attend(&rows(&q, h, t, from, n), 0.125)
+            .expect("attend");
         let diff = (a.narrow(1, from, n).expect("rows") - b)
             .and_then(|x| x.abs()?.max_all()?.to_scalar::<f32>())
             .expect("diff");
@@ -214,24 +224,14 @@ fn run_scaled<F: CodecFactory>(f: &F, gain: f32, chunk: usize) -> (Vec<f32>, Vec
     let k: Vec<f32> = gauss(kvh * T * d, 41).iter().map(|x| x * gain).collect();
     let v = gauss(kvh * T * d, 42);
     let q: Vec<f32> = gauss(h * T * d, 43).iter().map(|x| x * gain).collect();
-    let part = |x: &[f32], heads: usize, from: usize, n: usize| {
-        let rows: Vec<f32> = (0..heads)
-            .flat_map(|hh| {
-                x[(hh * T + from) * d..(hh * T + from + n) * d]
-                    .iter()
-                    .copied()
-            })
-            .collect();
-        tensor(&rows, (heads, n, d))
-    };
     let mut c = cache(f, true);
     let mut out = vec![0f32; h * T * d];
     for from in (0..T).step_by(chunk) {
         let n = chunk.min(T - from);
-        c.append(&part(&k, kvh, from, n), &part(&v, kvh, from, n))
+        c.append(&rows(&k, kvh, T, from, n), &rows(&v, kvh, T, from, n))
             .expect("append");
         let o = c
-            .attend(&part(&q, h, from, n), 0.125)
+            .attend(&rows(&q, h, T, from, n), 0.125)
             .and_then(|x| Ok(x.flatten_all()?.to_vec1::<f32>()?))
             .expect("attend");
         for hh in 0..h {
@@ -246,17 +246,13 @@ fn run_scaled<F: CodecFactory>(f: &F, gain: f32, chunk: usize) -> (Vec<f32>, Vec
 #[test]
 fn layers_too_sharp_for_codes_stay_fp16() {
     let f = TurboQuantMseFactory::new(3);
-    let rel = |a: &[f32], b: &[f32]| {
-        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-        (num / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
-    };
     // Gaussian keys and queries: logit spread 0.125 * 8 * 8 = 8, codes answer.
     let (out, want, bytes) = run_scaled(&f, 1.0, 40);
-    let plain = rel(&out, &want);
+    let plain = rel_l2(&out, &want);
     // Both scaled by 6: spread 288, above SHARP_LOGITS; every key is read from fp16, to fp16's
     // rounding, and no codes are held.
     let (sharp_out, sharp_want, sharp_bytes) = run_scaled(&f, 6.0, 40);
-    let sharp = rel(&sharp_out, &sharp_want);
+    let sharp = rel_l2(&sharp_out, &sharp_want);
     eprintln!("relative error: plain {plain:.4}, sharp {sharp:.5}; bytes {bytes} vs {sharp_bytes}");
     assert!(plain > 0.05, "codes answer the plain layer: {plain}");
     assert!(sharp < 0.01, "the sharp layer reads fp16: {sharp}");
