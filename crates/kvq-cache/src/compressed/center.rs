@@ -23,8 +23,8 @@ pub const CENTER_ROWS: usize = 16;
 pub(super) enum Center {
     /// Not fixed yet: codes so far are of raw keys and get re-encoded when it is.
     Pending,
-    /// Keys are coded raw: centering is off, or the early keys' fp16 rows were gone when the
-    /// center could have been fixed.
+    /// Keys are coded raw and no layer is sharp: the early keys' fp16 rows were gone when the
+    /// center could have been fixed (only after a truncation).
     Off,
     /// Fixed. `mu`: `[kv head][d]`, subtracted from every key before encoding (zeros for a head
     /// coded raw); `spread`: the RMS distance of the keys it was fixed from to their mean; `exact`:

@@ -17,14 +17,14 @@
 //! Which heads: a factory says ([`CodecFactory::key_centering`]). A head whose center carries
 //! less than the factory's share of its first keys' energy codes raw keys (zero center). TurboQuant
 //! and QJL center every head by default (a preset may set `center_min_share`); VecInfer, whose
-//! codebooks were trained on raw keys, none. Perplexity at ctx 2048, raw -> every head centered:
+//! codebooks were trained on raw keys, none (its sharp layers stay fp16 all the same). Perplexity at ctx 2048, raw -> every head centered:
 //! Gemma-3-270M MSE 3-bit +18.1% -> +5.0%, Prod 4-bit +58% -> +15.5%; SmolLM2 Prod 3-bit +33.3%
 //! -> +24.4%, QJL 4-bit +48.5% -> +44.1%, but MSE 4-bit +0.28% -> +0.53% (a scalar code's error
 //! on a shared part is shared by every key and cancels in softmax, so centering gains little
 //! there); Qwen2.5 MSE 4-bit +2122% -> +165% (docs/benchmarks/quality.md).
 //!
 //! Sharp layers: a layer whose logits spread too far for any code (Qwen2.5's layer 0) keeps
-//! every key in fp16 and holds no codes; it is recognized from the queries and keys at the
+//! every key in fp16 and holds no codes, whatever the method; it is recognized from the queries and keys at the
 //! positions that fix the center ([`SHARP_LOGITS`], `center.rs`), so the decision too is the same
 //! however the text was split. Such a layer does not roll under a sliding window.
 
@@ -62,7 +62,7 @@ pub trait CodecFactory: Send + Sync {
     fn sinks(&self) -> usize;
     /// Which keys are coded centered (see the module docs): `None` none (VecInfer: its codebooks
     /// were trained on raw keys); `Some(share)` the kv heads whose center carries at least
-    /// `share` of their first keys' energy (`0.0`: every head).
+    /// `share` of their first keys' energy (`0.0`: every head). Sharp layers stay fp16 either way.
     fn key_centering(&self) -> Option<f32> {
         Some(0.0)
     }
@@ -238,10 +238,11 @@ impl CompressedCache {
     }
 
     /// Key centering (see the module docs and [`CodecFactory::key_centering`]); the default is
-    /// `Some(0.0)`, every head.
+    /// `Some(0.0)`, every head. With `None` no head is centered, and sharp layers are still
+    /// recognized.
     pub fn with_key_centering(mut self, centering: Option<f32>) -> Self {
-        self.center = centering.map_or(Center::Off, |_| Center::Pending);
-        self.center_share = centering.unwrap_or(0.0);
+        self.center = Center::Pending;
+        self.center_share = centering.unwrap_or(f32::INFINITY);
         self
     }
 

@@ -337,9 +337,15 @@ fn resident_bytes_match_the_packed_size() {
         let len = 8192 - 64;
         let k = tensor(keys(len, 50), (KVH, len, D));
         cache.append(&k, &k).unwrap();
+        // As a model does: each append is followed by its queries (here the last row only).
+        let q = tensor(keys(1, 52), (KVH, 1, D))
+            .repeat((g.n_heads / KVH, 1, 1))
+            .unwrap();
+        cache.attend(&q, 0.125).unwrap();
         let one = tensor(keys(1, 51), (KVH, 1, D));
         for _ in 0..64 {
             cache.append(&one, &one).unwrap();
+            cache.attend(&q, 0.125).unwrap();
         }
         let n = cache.len();
         // Promised: d / sub one-byte indices per token and head for keys and for values (8 / sub
