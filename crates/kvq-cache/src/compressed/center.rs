@@ -14,9 +14,9 @@ use crate::Result;
 /// close to them codes them best. Measured (KL divergence vs fp16 on SmolLM2, ctx 512, 8 chunks;
 /// raw / 16 rows / 64 rows): MSE 4-bit 0.0075 / 0.0066 / 0.0074, Prod 3-bit 0.343 / 0.160 /
 /// 0.177, QJL 3-bit 0.648 / 0.643 / 0.484, RVQ 2-bit 0.141 / 0.174 / 0.180 (every head
-/// centered). Qwen2.5's chat answer at MSE 4-bit and 4 sinks stays clean with 16 and 28 rows and
-/// breaks with 64 (raw, it breaks after ~70 tokens); Prod and QJL 4-bit still slip a word here
-/// and there.
+/// centered). Qwen2.5's chat answer at MSE 4-bit and 4 sinks stayed clean with 16 and 28 rows
+/// and broke with 64 (raw, after ~70 tokens), before its layer 0 stayed fp16 ([`SHARP_LOGITS`]),
+/// which also cleaned up Prod's and QJL's answers.
 pub const CENTER_ROWS: usize = 16;
 
 /// The key center of a cache (see the module docs).

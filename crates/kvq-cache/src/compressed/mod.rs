@@ -15,18 +15,21 @@
 //! fp16, so no query depends on how the text was split into appends.
 //!
 //! Which heads: a factory says ([`CodecFactory::key_centering`]). A head whose center carries
-//! less than the factory's share of its first keys' energy codes raw keys (zero center). TurboQuant
-//! and QJL center every head by default (a preset may set `center_min_share`); VecInfer, whose
-//! codebooks were trained on raw keys, none (its sharp layers stay fp16 all the same). Perplexity at ctx 2048, raw -> every head centered:
-//! Gemma-3-270M MSE 3-bit +18.1% -> +5.0%, Prod 4-bit +58% -> +15.5%; SmolLM2 Prod 3-bit +33.3%
-//! -> +24.4%, QJL 4-bit +48.5% -> +44.1%, but MSE 4-bit +0.28% -> +0.53% (a scalar code's error
-//! on a shared part is shared by every key and cancels in softmax, so centering gains little
-//! there); Qwen2.5 MSE 4-bit +2122% -> +165% (docs/benchmarks/quality.md).
+//! less than the factory's share of its first keys' energy codes raw keys (zero center).
+//! TurboQuant and QJL center every head by default (a preset may set `center_min_share`);
+//! VecInfer, whose codebooks were trained on raw keys, none. Perplexity at ctx 2048, raw -> every
+//! head centered: Gemma-3-270M MSE 3-bit +18.1% -> +5.0%, Prod 4-bit +58% -> +15.5%; SmolLM2
+//! Prod 3-bit +33.3% -> +24.4%, QJL 4-bit +48.5% -> +44.1%, but MSE 4-bit +0.28% -> +0.53% (a
+//! scalar code's error on a shared part is shared by every key and cancels in softmax, so
+//! centering gains little there); Qwen2.5 MSE 4-bit +2122% -> +165%, and +0.37% once its sharp
+//! layer stays fp16 (docs/benchmarks/quality.md).
 //!
 //! Sharp layers: a layer whose logits spread too far for any code (Qwen2.5's layer 0) keeps
-//! every key in fp16 and holds no codes, whatever the method; it is recognized from the queries and keys at the
-//! positions that fix the center ([`SHARP_LOGITS`], `center.rs`), so the decision too is the same
-//! however the text was split. Such a layer does not roll under a sliding window.
+//! every key in fp16 and holds no codes, whatever the method (VecInfer too); it is recognized
+//! from the queries and keys at the positions that fix the center ([`SHARP_LOGITS`],
+//! `center.rs`), so this decision too is the same however the text was split. A cache that never
+//! sees a query at those positions (one that attends only its last rows) does not call its layer
+//! sharp. Such a layer does not roll under a sliding window.
 
 mod center;
 
