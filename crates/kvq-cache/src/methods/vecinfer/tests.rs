@@ -453,3 +453,13 @@ fn capture_records_what_passes_through() {
     assert_eq!(cap[1].queries[3].len(), 5 * D);
     assert_eq!(cap[1].keys[1], keys(5, 70)[5 * D..].to_vec());
 }
+
+#[test]
+fn calibration_times_survive_the_json_round_trip() {
+    // Without serde_json's `float_roundtrip` this value came back as 3.921515691, and a saved
+    // calibration no longer equalled the one in memory (seen in CI).
+    let seconds = 3.921_515_690_999_999_7_f64;
+    let text = serde_json::to_string(&seconds).expect("json");
+    let back: f64 = serde_json::from_str(&text).expect("json");
+    assert_eq!(back.to_bits(), seconds.to_bits(), "{text}");
+}
