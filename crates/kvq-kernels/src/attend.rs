@@ -109,6 +109,45 @@ pub fn merge_partial(
     out.iter_mut().for_each(|o| *o *= inv);
 }
 
+/// The checks every backend makes before attending: head dims and code widths match the
+/// codecs, kv heads divide query heads, and the codes hold the rows the queries need
+/// (`k` and `v` are `(heads, rows, width)`). Returns the GQA group size.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_attend(
+    keys: &dyn KeyCodec,
+    values: &dyn ValueCodec,
+    p: &AttendParams,
+    nh: usize,
+    t: usize,
+    d: usize,
+    k: (usize, usize, usize),
+    v: (usize, usize, usize),
+) -> Result<usize> {
+    if d != keys.head_dim() || d != values.head_dim() {
+        bail!("attend: head_dim {d} does not match the codecs")
+    }
+    if k.2 != keys.code_bytes() || v.2 != values.code_bytes() {
+        bail!("attend: code widths do not match the codecs")
+    }
+    if k.0 == 0 || !nh.is_multiple_of(k.0) || v.0 != k.0 || v.1 != k.1 {
+        bail!("attend: {nh} query heads over {} / {} kv heads", k.0, v.0)
+    }
+    let last = p.first_pos + t;
+    let (_, c0_first, c1_first) = p.ranges(p.first_pos);
+    if t > 0 && c1_first > c0_first && c0_first < p.code_first {
+        bail!(
+            "attend: position {} needs codes from {c0_first}, kept from {}",
+            p.first_pos,
+            p.code_first
+        )
+    }
+    let (_, r1_last) = p.code_rows(last.saturating_sub(1));
+    if t > 0 && r1_last > k.1 {
+        bail!("attend: rows need {r1_last} codes, {} given", k.1)
+    }
+    Ok(nh / k.0)
+}
+
 struct AttendOp {
     keys: Arc<dyn KeyCodec>,
     values: Arc<dyn ValueCodec>,
@@ -160,33 +199,17 @@ impl CustomOp3 for AttendOp {
         let k = u8_rows(s2, l2, "attend key codes")?;
         let v = u8_rows(s3, l3, "attend value codes")?;
         let (nh, t, d) = (q.heads, q.rows, q.width);
-        if d != self.keys.head_dim() || d != self.values.head_dim() {
-            bail!("attend: head_dim {d} does not match the codecs")
-        }
-        if k.width != self.keys.code_bytes() || v.width != self.values.code_bytes() {
-            bail!("attend: code widths do not match the codecs")
-        }
-        if k.heads == 0 || nh % k.heads != 0 || v.heads != k.heads || v.rows != k.rows {
-            bail!(
-                "attend: {nh} query heads over {} / {} kv heads",
-                k.heads,
-                v.heads
-            )
-        }
-        let group = nh / k.heads;
-        let last = self.p.first_pos + t;
-        let (_, c0_first, c1_first) = self.p.ranges(self.p.first_pos);
-        if t > 0 && c1_first > c0_first && c0_first < self.p.code_first {
-            bail!(
-                "attend: position {} needs codes from {c0_first}, kept from {}",
-                self.p.first_pos,
-                self.p.code_first
-            )
-        }
-        let (_, r1_last) = self.p.code_rows(last.saturating_sub(1));
-        if t > 0 && r1_last > k.rows {
-            bail!("attend: rows need {r1_last} codes, {} given", k.rows)
-        }
+        let group = check_attend(
+            &*self.keys,
+            &*self.values,
+            &self.p,
+            nh,
+            t,
+            d,
+            (k.heads, k.rows, k.width),
+            (v.heads, v.rows, v.width),
+        )?;
+        let (_, r1_last) = self.p.code_rows((self.p.first_pos + t).saturating_sub(1));
         let mut out = vec![0f32; nh * t * (d + 2)];
         // Parallel when there is real work (long ranges or many rows); decode of a short context
         // stays on the calling thread.
@@ -210,6 +233,19 @@ impl CustomOp3 for AttendOp {
             );
         });
         Ok((CpuStorage::F32(out), Shape::from((nh, t, d + 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::ops::attend_fwd(&*self.keys, &*self.values, self.p, s1, l1, s2, l2, s3, l3)
     }
 }
 

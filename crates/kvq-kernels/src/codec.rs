@@ -1,5 +1,24 @@
 //! The two traits a compressed method implements so the generic ops can run it.
 
+use crate::spec::{DeviceCache, KeySpec, ValueSpec};
+
+/// A codec's spec for device kernels and the device copies of its arrays. Codecs build it on the
+/// first call of `kernel_data` (the CPU path never asks for it) and keep it.
+#[derive(Debug)]
+pub struct KernelData<S> {
+    pub spec: S,
+    pub device: DeviceCache,
+}
+
+impl<S> KernelData<S> {
+    pub fn new(spec: S) -> Self {
+        Self {
+            spec,
+            device: DeviceCache::default(),
+        }
+    }
+}
+
 /// Which device kernel family a codec maps to. The CPU path runs the trait methods directly; a
 /// GPU backend picks its kernel by this tag and reads the codec's parameters through it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +54,10 @@ pub trait KeyCodec: Send + Sync {
     fn scores(&self, head: usize, state: &[f32], codes: &[u8], out: &mut [f32]);
     /// The kernel family, for device backends.
     fn kernel(&self) -> KernelKind;
+    /// The layout and parameters a device kernel runs this codec from; `None`: CPU only.
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        None
+    }
 }
 
 /// Encodes values and accumulates probability-weighted values from codes.
@@ -59,4 +82,8 @@ pub trait ValueCodec: Send + Sync {
     fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]);
     /// The kernel family, for device backends.
     fn kernel(&self) -> KernelKind;
+    /// The layout and parameters a device kernel runs this codec from; `None`: CPU only.
+    fn kernel_data(&self) -> Option<&KernelData<ValueSpec>> {
+        None
+    }
 }

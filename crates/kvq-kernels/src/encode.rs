@@ -53,6 +53,18 @@ impl CustomOp1 for EncodeOp {
         });
         Ok((CpuStorage::U8(out), Shape::from((heads, t, cb))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match &self.0 {
+            Codec::Key(c) => crate::cuda::ops::encode_fwd(Some(&**c), None, s, l),
+            Codec::Value(c) => crate::cuda::ops::encode_fwd(None, Some(&**c), s, l),
+        }
+    }
 }
 
 /// Encodes keys `[heads, t, d]` (f32) into codes `[heads, t, code_bytes]` (u8).

@@ -14,13 +14,16 @@
 
 mod attend;
 mod codec;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod encode;
 mod math;
 mod nearest;
 mod pool;
+pub mod spec;
 mod storage;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
-pub use codec::{KernelKind, KeyCodec, ValueCodec};
+pub use codec::{KernelData, KernelKind, KeyCodec, ValueCodec};
 pub use encode::{encode_keys, encode_reference, encode_values};
 pub use nearest::{NearestCodebook, nearest_centroid, nearest_centroid_reference};

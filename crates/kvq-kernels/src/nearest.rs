@@ -224,6 +224,17 @@ impl CustomOp2 for NearestOp {
         book.assign_par(x, &mut out, None);
         Ok((CpuStorage::U32(out), Shape::from(n)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::ops::nearest_fwd(s1, l1, s2, l2)
+    }
 }
 
 /// Fused nearest-centroid argmin: `x` `[N, sub]` f32, `codebook` `[C, sub]` f32 (both

@@ -68,6 +68,11 @@ impl Rotation {
         }
     }
 
+    /// The random signs `D` (+1 / -1), what device kernels rotate with.
+    pub fn signs(&self) -> &[f32] {
+        &self.signs
+    }
+
     /// Dimension.
     pub fn dim(&self) -> usize {
         self.signs.len()

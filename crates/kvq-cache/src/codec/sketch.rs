@@ -171,6 +171,18 @@ impl SignSketch {
         self.m
     }
 
+    /// The device description: every head's matrix transposed, `[heads][d][m]`.
+    pub fn spec(&self) -> kvq_kernels::spec::SketchSpec {
+        kvq_kernels::spec::SketchSpec {
+            m: self.m,
+            matrices: self
+                .mats
+                .iter()
+                .flat_map(|mat| mat.data.iter().copied())
+                .collect(),
+        }
+    }
+
     /// Bytes of one packed sign row (`m / 8`).
     pub fn sign_bytes(&self) -> usize {
         self.m / 8

@@ -11,6 +11,9 @@ use crate::codec::sketch::SignSketch;
 use crate::compressed::{KernelKind, KeyCodec};
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::KernelData;
+use kvq_kernels::spec::KeySpec;
+use std::sync::{Arc, OnceLock};
 
 /// Bytes one exact outlier channel costs in a code row (u8 index + fp16 value).
 pub const OUTLIER_BYTES: usize = 3;
@@ -21,6 +24,7 @@ pub struct QjlKeyCodec {
     sketch: SignSketch,
     d: usize,
     outliers: usize,
+    data: Arc<OnceLock<KernelData<KeySpec>>>,
 }
 
 impl QjlKeyCodec {
@@ -43,6 +47,7 @@ impl QjlKeyCodec {
             sketch: SignSketch::new(m, d, heads, layer, seed)?,
             d,
             outliers,
+            data: Arc::default(),
         })
     }
 
@@ -144,5 +149,14 @@ impl KeyCodec for QjlKeyCodec {
 
     fn kernel(&self) -> KernelKind {
         KernelKind::SignSketch
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        Some(self.data.get_or_init(|| {
+            KernelData::new(KeySpec::Sketch {
+                sketch: self.sketch.spec(),
+                outliers: self.outliers,
+            })
+        }))
     }
 }

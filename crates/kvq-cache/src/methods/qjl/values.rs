@@ -16,6 +16,9 @@ use crate::codec::bitpack;
 use crate::compressed::{KernelKind, ValueCodec};
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::KernelData;
+use kvq_kernels::spec::ValueSpec;
+use std::sync::{Arc, OnceLock};
 
 /// Value bits the group codec supports.
 pub const VALUE_BITS: [u32; 3] = [2, 4, 8];
@@ -26,6 +29,7 @@ pub struct GroupCodec {
     d: usize,
     bits: u32,
     group: usize,
+    data: Arc<OnceLock<KernelData<ValueSpec>>>,
 }
 
 impl GroupCodec {
@@ -41,7 +45,12 @@ impl GroupCodec {
                 "value group size {group} must divide head_dim {d} and fill whole bytes"
             )));
         }
-        Ok(Self { d, bits, group })
+        Ok(Self {
+            d,
+            bits,
+            group,
+            data: Arc::default(),
+        })
     }
 
     /// Number of groups per row.
@@ -259,5 +268,14 @@ impl ValueCodec for GroupCodec {
 
     fn kernel(&self) -> KernelKind {
         KernelKind::GroupScalar
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<ValueSpec>> {
+        Some(self.data.get_or_init(|| {
+            KernelData::new(ValueSpec::Group {
+                bits: self.bits,
+                group: self.group,
+            })
+        }))
     }
 }

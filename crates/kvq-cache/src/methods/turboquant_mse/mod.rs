@@ -12,7 +12,10 @@ use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
 use kernel::{Isa, Table};
+use kvq_kernels::KernelData;
+use kvq_kernels::spec::{KeySpec, ScalarSpec, ValueSpec};
 use rotated::Rotated;
+use std::sync::OnceLock;
 
 pub mod factory;
 pub mod kernel;
@@ -27,6 +30,8 @@ pub const METHOD: &str = "turboquant-mse";
 pub struct MseCodec {
     core: Rotated,
     book: &'static Codebook,
+    key_data: OnceLock<KernelData<KeySpec>>,
+    value_data: OnceLock<KernelData<ValueSpec>>,
 }
 
 impl MseCodec {
@@ -41,7 +46,18 @@ impl MseCodec {
         }
         let book = codebook(Dist::Gaussian, bits);
         let core = Rotated::new(METHOD, d, heads, Table::new(&book.levels), layer, seed)?;
-        Ok(Self { core, book })
+        Ok(Self {
+            core,
+            book,
+            key_data: OnceLock::new(),
+            value_data: OnceLock::new(),
+        })
+    }
+
+    /// The device description: the Gaussian levels, their thresholds, identity codes.
+    pub fn scalar_spec(&self) -> ScalarSpec {
+        let code_of: Vec<u8> = (0..self.book.levels.len()).map(|i| i as u8).collect();
+        self.core.spec(&self.book.thresholds, &code_of)
     }
 
     /// Runs the kernels on `isa` instead of the fastest one (tests and benches).
@@ -123,6 +139,13 @@ impl KeyCodec for MseCodec {
     fn scores(&self, _head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
         self.core.scores(state, codes, self.core.code_bytes(), out);
     }
+
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        Some(
+            self.key_data
+                .get_or_init(|| KernelData::new(KeySpec::Scalar(self.scalar_spec()))),
+        )
+    }
 }
 
 impl ValueCodec for MseCodec {
@@ -153,6 +176,13 @@ impl ValueCodec for MseCodec {
 
     fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]) {
         self.core.finish(head, acc, out);
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<ValueSpec>> {
+        Some(
+            self.value_data
+                .get_or_init(|| KernelData::new(ValueSpec::Scalar(self.scalar_spec()))),
+        )
     }
 }
 

@@ -9,6 +9,7 @@ use crate::codec::bitpack;
 use crate::codec::hadamard::Rotation;
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::spec::ScalarSpec;
 
 /// Head dims up to this size encode without a heap allocation.
 const STACK_DIM: usize = 256;
@@ -67,6 +68,23 @@ impl Rotated {
 
     pub fn table(&self) -> &Table {
         &self.table
+    }
+
+    /// The device description of this frame: levels in code order, the encoder's sorted
+    /// `thresholds` and the code of each sorted level, every head's rotation signs.
+    pub fn spec(&self, thresholds: &[f32], code_of: &[u8]) -> ScalarSpec {
+        ScalarSpec {
+            bits: self.table.bits(),
+            levels: self.table.levels().to_vec(),
+            thresholds: thresholds.to_vec(),
+            code_of: code_of.to_vec(),
+            sigma: self.sigma,
+            signs: self
+                .rotations
+                .iter()
+                .flat_map(|r| r.signs().iter().copied())
+                .collect(),
+        }
     }
 
     pub fn code_bytes(&self) -> usize {

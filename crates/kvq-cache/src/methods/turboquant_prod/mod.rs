@@ -18,6 +18,9 @@ use crate::codec::sketch::SignSketch;
 use crate::compressed::{KernelKind, KeyCodec};
 use crate::registry::MethodEntry;
 use half::f16;
+use kvq_kernels::KernelData;
+use kvq_kernels::spec::KeySpec;
+use std::sync::OnceLock;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-prod";
@@ -27,6 +30,7 @@ pub struct ProdKeyCodec {
     mse: MseCodec,
     sketch: SignSketch,
     d: usize,
+    data: OnceLock<KernelData<KeySpec>>,
 }
 
 impl ProdKeyCodec {
@@ -38,7 +42,12 @@ impl ProdKeyCodec {
         let mse = MseCodec::new(d, heads, key_bits - 1, layer, seed)?;
         let m = d.div_ceil(8) * 8;
         let sketch = SignSketch::new(m, d, heads, layer, seed ^ 0x9D0D_0000)?;
-        Ok(Self { mse, sketch, d })
+        Ok(Self {
+            mse,
+            sketch,
+            d,
+            data: OnceLock::new(),
+        })
     }
 
     fn mse_bytes(&self) -> usize {
@@ -105,6 +114,15 @@ impl KeyCodec for ProdKeyCodec {
 
     fn kernel(&self) -> KernelKind {
         KernelKind::CodebookPlusSketch
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        Some(self.data.get_or_init(|| {
+            KernelData::new(KeySpec::ScalarSketch {
+                scalar: self.mse.scalar_spec(),
+                sketch: self.sketch.spec(),
+            })
+        }))
     }
 }
 

@@ -24,6 +24,9 @@ use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::KernelData;
+use kvq_kernels::spec::{KeySpec, ValueSpec};
+use std::sync::OnceLock;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-rvq";
@@ -62,6 +65,8 @@ pub struct RvqCodec {
     /// Thresholds between the levels sorted ascending, and the code of each sorted level.
     thresholds: Vec<f32>,
     code_of: Vec<u8>,
+    key_data: OnceLock<KernelData<KeySpec>>,
+    value_data: OnceLock<KernelData<ValueSpec>>,
 }
 
 impl RvqCodec {
@@ -80,6 +85,8 @@ impl RvqCodec {
             core,
             thresholds,
             code_of,
+            key_data: OnceLock::new(),
+            value_data: OnceLock::new(),
         })
     }
 
@@ -152,6 +159,14 @@ impl KeyCodec for RvqCodec {
     fn scores(&self, _head: usize, state: &[f32], codes: &[u8], out: &mut [f32]) {
         self.core.scores(state, codes, self.core.code_bytes(), out);
     }
+
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        Some(self.key_data.get_or_init(|| {
+            KernelData::new(KeySpec::Scalar(
+                self.core.spec(&self.thresholds, &self.code_of),
+            ))
+        }))
+    }
 }
 
 impl ValueCodec for RvqCodec {
@@ -182,6 +197,14 @@ impl ValueCodec for RvqCodec {
 
     fn finish(&self, head: usize, acc: &[f32], out: &mut [f32]) {
         self.core.finish(head, acc, out);
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<ValueSpec>> {
+        Some(self.value_data.get_or_init(|| {
+            KernelData::new(ValueSpec::Scalar(
+                self.core.spec(&self.thresholds, &self.code_of),
+            ))
+        }))
     }
 }
 

@@ -11,7 +11,9 @@ use crate::attention::{axpy, dot};
 use crate::codec::hadamard::Rotation;
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::{CacheError, Result};
-use kvq_kernels::NearestCodebook;
+use kvq_kernels::spec::{KeySpec, ValueSpec, VqSpec};
+use kvq_kernels::{KernelData, NearestCodebook};
+use std::sync::OnceLock;
 
 /// Centroids per codebook: indices are one byte.
 pub const CENTROIDS: usize = 256;
@@ -167,6 +169,14 @@ pub struct VqKeyCodec {
     inv_lambda: Vec<f32>,
     rotations: Vec<Rotation>,
     books: Books,
+    data: OnceLock<KernelData<KeySpec>>,
+}
+
+fn signs_of(rotations: &[Rotation]) -> Vec<f32> {
+    rotations
+        .iter()
+        .flat_map(|r| r.signs().iter().copied())
+        .collect()
 }
 
 impl VqKeyCodec {
@@ -194,6 +204,7 @@ impl VqKeyCodec {
             lambda: lambda.to_vec(),
             rotations: rotations(d, heads, layer, seed, false),
             books,
+            data: OnceLock::new(),
         })
     }
 
@@ -274,6 +285,17 @@ impl KeyCodec for VqKeyCodec {
     fn kernel(&self) -> KernelKind {
         KernelKind::ProductVq
     }
+
+    fn kernel_data(&self) -> Option<&KernelData<KeySpec>> {
+        Some(self.data.get_or_init(|| {
+            KernelData::new(KeySpec::ProductVq(VqSpec {
+                sub: self.sub,
+                books: self.books.data.clone(),
+                signs: signs_of(&self.rotations),
+                lambda: self.lambda.clone(),
+            }))
+        }))
+    }
 }
 
 /// How `accumulate` adds probability-weighted values.
@@ -295,6 +317,7 @@ pub struct VqValueCodec {
     rotations: Vec<Rotation>,
     books: Books,
     accum: ValueAccum,
+    data: OnceLock<KernelData<ValueSpec>>,
 }
 
 impl VqValueCodec {
@@ -315,6 +338,7 @@ impl VqValueCodec {
             rotations: rotations(d, heads, layer, seed, true),
             books,
             accum,
+            data: OnceLock::new(),
         })
     }
 
@@ -398,5 +422,16 @@ impl ValueCodec for VqValueCodec {
 
     fn kernel(&self) -> KernelKind {
         KernelKind::ProductVq
+    }
+
+    fn kernel_data(&self) -> Option<&KernelData<ValueSpec>> {
+        Some(self.data.get_or_init(|| {
+            KernelData::new(ValueSpec::ProductVq(VqSpec {
+                sub: self.sub,
+                books: self.books.data.clone(),
+                signs: signs_of(&self.rotations),
+                lambda: Vec::new(),
+            }))
+        }))
     }
 }

@@ -1,0 +1,48 @@
+// Fused decode attention of TurboQuant-Prod: keys are a (b-1)-bit scalar-codebook stage plus a
+// sign sketch of its residual (`||r||` f16, m/8 sign bytes after the stage's code), scored as
+// stage(q) + ||r|| * sqrt(pi/2)/m <S q, sign(S r)>; values are the scalar codebook of
+// TurboQuant-MSE.
+#include "../common/sketch.cuh"
+#include "../turboquant_mse/scalar.cuh"
+
+namespace kvq {
+
+struct ProdParams {
+  ScalarParams scalar;
+  SketchParams sketch;
+};
+
+// State: the scalar stage's state, then the sketch's.
+struct ProdKeys {
+  using Params = ProdParams;
+  __host__ __device__ static int state_floats(const Params& p, int D, int GB) {
+    return ScalarKeys::state_floats(p.scalar, D, GB) + sketch_floats(p.sketch.m, D, GB);
+  }
+  template <int GB>
+  __device__ static void prepare(const Params& p, const float* q, long long qh, int gb, int kh,
+                                 float* st, int D, long long prow, int pstride) {
+    ScalarKeys::prepare_rotated(p.scalar, q, qh, gb, kh, st, D, GB);
+    sketch_prepare(p.sketch, prow, pstride, gb, st + ScalarKeys::state_floats(p.scalar, D, GB), D, GB);
+  }
+  template <int GB>
+  __device__ static void score(const Params& p, const float* st, const uint8_t* row, float s[GB],
+                               int D, int part) {
+    ScalarKeys::score<GB>(p.scalar, st, row, s, D, part);
+    const int at = 2 + D * p.scalar.bits / 8;
+    const float rnorm = f16_at(row + at);
+    float r[GB];
+    sketch_dot<GB>(st + ScalarKeys::state_floats(p.scalar, D, GB), row + at + 2, p.sketch.m, r,
+                   part);
+#pragma unroll
+    for (int g = 0; g < GB; g++) s[g] = fmaf(rnorm, r[g], s[g]);
+  }
+};
+
+}  // namespace kvq
+
+KVQ_SKETCH_PROJECT(64)
+KVQ_SKETCH_PROJECT(128)
+KVQ_SKETCH_PROJECT(256)
+KVQ_ATTEND_ALL(kvq_attend_prod, kvq::ProdKeys, kvq::ScalarValues, 64)
+KVQ_ATTEND_ALL(kvq_attend_prod, kvq::ProdKeys, kvq::ScalarValues, 128)
+KVQ_ATTEND_ALL(kvq_attend_prod, kvq::ProdKeys, kvq::ScalarValues, 256)

@@ -1,0 +1,97 @@
+// VecInfer's encode kernels. `kvq_nearest_s{4,8}`: the fused nearest-centroid argmin, one
+// thread per sub-vector, the 256 centroids in shared memory, the running minimum in registers
+// (never an [N, centroids, sub] intermediate; O(N) memory: the input and the indices).
+// `kvq_encode_vq_d{D}`: a key (divided by lambda) or value rotated in shared memory, then each
+// of its D/sub sub-vectors coded by the same search against its sub-position's codebook.
+#include "../common/encode.cuh"
+
+namespace kvq {
+
+// Index of the centroid nearest to x among `books` (`[256][S]`, shared or global).
+template <int S>
+__device__ inline unsigned nearest(const float* x, const float* books) {
+  float best = INFINITY;
+  unsigned bi = 0;
+  for (int c = 0; c < 256; c++) {
+    float d = 0.f;
+#pragma unroll
+    for (int k = 0; k < S; k++) {
+      const float e = x[k] - books[c * S + k];
+      d = fmaf(e, e, d);
+    }
+    if (d < best) {
+      best = d;
+      bi = c;
+    }
+  }
+  return bi;
+}
+
+}  // namespace kvq
+
+template <int S>
+__device__ void nearest_all(const float* x, long long n, const float* centroids, unsigned* out) {
+  __shared__ float books[256 * S];
+  for (int i = threadIdx.x; i < 256 * S; i += blockDim.x) books[i] = centroids[i];
+  __syncthreads();
+  for (long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x; r < n;
+       r += (long long)gridDim.x * blockDim.x) {
+    float v[S];
+    const float4* x4 = reinterpret_cast<const float4*>(x + r * S);
+#pragma unroll
+    for (int k = 0; k < S / 4; k++) {
+      const float4 f = __ldg(x4 + k);
+      v[4 * k] = f.x;
+      v[4 * k + 1] = f.y;
+      v[4 * k + 2] = f.z;
+      v[4 * k + 3] = f.w;
+    }
+    out[r] = kvq::nearest<S>(v, books);
+  }
+}
+
+extern "C" __global__ void kvq_nearest_s4(const float* x, long long n, const float* c,
+                                          unsigned* out) {
+  nearest_all<4>(x, n, c, out);
+}
+
+extern "C" __global__ void kvq_nearest_s8(const float* x, long long n, const float* c,
+                                          unsigned* out) {
+  nearest_all<8>(x, n, c, out);
+}
+
+struct VqEncodeParams {
+  const float* books;   // [nb][256][sub]
+  const float* signs;   // [kvh][D]
+  const float* lambda;  // [kvh][D], or null (values)
+  int nb, sub;
+};
+
+template <int D>
+__device__ void vq_encode(const kvq::EncodeArgs& a, const VqEncodeParams& p) {
+  __shared__ float u[D];
+  const long long i = blockIdx.x;
+  const int head = (int)(i / a.t), c = threadIdx.x;
+  float xv = a.x[i * D + c];
+  if (p.lambda) xv *= 1.f / __ldg(p.lambda + (long long)head * D + c);
+  u[c] = xv * __ldg(p.signs + (long long)head * D + c);
+  kvq::fwht_row(u, D);
+  u[c] *= rsqrtf((float)D);
+  __syncthreads();
+  const int ns = D / p.sub;
+  if (c < ns) {
+    const float* book = p.books + (long long)(p.nb == 1 ? 0 : c) * 256 * p.sub;
+    const unsigned k = p.sub == 4 ? kvq::nearest<4>(u + c * 4, book)
+                                  : kvq::nearest<8>(u + c * 8, book);
+    a.out[i * a.cb + c] = (uint8_t)k;
+  }
+}
+
+#define KVQ_VQ_ENCODE(D)                                                                     \
+  extern "C" __global__ void kvq_encode_vq_d##D(kvq::EncodeArgs a, VqEncodeParams p) {        \
+    vq_encode<D>(a, p);                                                                       \
+  }
+
+KVQ_VQ_ENCODE(64)
+KVQ_VQ_ENCODE(128)
+KVQ_VQ_ENCODE(256)
