@@ -7,7 +7,8 @@
 //   Keys::prepare(p, q rows, kv head, smem)    per-query state (rotated query, sketch tables, LUT)
 //   Keys::score(p, smem state, code row, out[GB], D, part)  this thread's half (part 0 or 1) of
 //     q . k for GB heads from one code row; the two halves are summed by a shuffle
-//   Vals::accumulate(p, smem, code row, w[GB], acc[GB][8], coordinate group)  acc += w v
+//   Vals::accumulate(p, smem, code row, w[GB], acc[GB][8], am[GB], coordinate group)  acc += w v;
+//     `am` is one more sum per head that the skeleton adds to all 8 coordinates at the end
 //   Vals::finish(p, smem, kv head, acc row of D, D threads)  rotated domain -> values
 // Partial states match the CPU op (kvq-kernels attend.rs): per row D unnormalized outputs, the
 // running max and the sum of exponentials.
@@ -251,11 +252,13 @@ __device__ void attend_block(const AttendArgs& a, const typename K::Params& kp,
   }
 
   const int lane = tid / CG, cg = tid % CG;
-  float acc[GB][8];
+  float acc[GB][8], am[GB];
 #pragma unroll
-  for (int g = 0; g < GB; g++)
+  for (int g = 0; g < GB; g++) {
+    am[g] = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[g][j] = 0.f;
+  }
 
   for (int it = 0; it < ntiles; it++) {
     const long long base = s0 + (long long)it * TL;
@@ -318,6 +321,7 @@ __device__ void attend_block(const AttendArgs& a, const typename K::Params& kp,
       if (g < gb) {
         const float al = alpha[g];
         if (al != 1.f) {
+          am[g] *= al;
 #pragma unroll
           for (int j = 0; j < 8; j++) acc[g][j] *= al;
         }
@@ -327,10 +331,14 @@ __device__ void attend_block(const AttendArgs& a, const typename K::Params& kp,
       float w[GB];
 #pragma unroll
       for (int g = 0; g < GB; g++) w[g] = g < gb ? sc[g * KVQ_TILE + i] : 0.f;
-      V::template accumulate<GB>(vp, vstate, vt + i * a.vstride, w, acc, cg, D);
+      V::template accumulate<GB>(vp, vstate, vt + i * a.vstride, w, acc, am, cg, D);
     }
     __syncthreads();  // everyone is done with this tile's buffers before they are refilled
   }
+#pragma unroll
+  for (int g = 0; g < GB; g++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[g][j] += am[g];
   // Reduce the token lanes, let the codec finish (rotate back), write the partial state.
   __syncthreads();
   if (NL > 1) {
@@ -442,11 +450,10 @@ __device__ void combine_block(const CombineArgs& a) {
   }
 }
 
-// In-place inverse randomized Hadamard of `gb` rows of D floats in shared memory (x <- D H x /
-// sqrt(D), kvq-cache hadamard.rs `invert`), by all threads: range-based butterflies (each
-// pair (i, i + h) is formed from the index i's bits, never an XOR partner).
-__device__ inline void inverse_hadamard(float* rows, int gb, int D, const float* signs) {
-  const float sc = rsqrtf((float)D);
+// The unnormalized Walsh-Hadamard transform of `gb` rows of D floats in shared memory, by all
+// threads: range-based butterflies (each pair (i, i + h) is formed from the index i's bits,
+// never an XOR partner), a barrier after each stage.
+__device__ inline void butterflies(float* rows, int gb, int D) {
   for (int h = 1; h < D; h <<= 1) {
     for (int i = threadIdx.x; i < gb * D / 2; i += KVQ_THREADS) {
       int g = i / (D / 2), k = i % (D / 2);
@@ -458,6 +465,13 @@ __device__ inline void inverse_hadamard(float* rows, int gb, int D, const float*
     }
     __syncthreads();
   }
+}
+
+// In-place inverse randomized Hadamard of `gb` rows of D floats in shared memory (x <- D H x /
+// sqrt(D), kvq-cache hadamard.rs `invert`).
+__device__ inline void inverse_hadamard(float* rows, int gb, int D, const float* signs) {
+  const float sc = rsqrtf((float)D);
+  butterflies(rows, gb, D);
   for (int i = threadIdx.x; i < gb * D; i += KVQ_THREADS) rows[i] *= signs[i % D] * sc;
   __syncthreads();
 }

@@ -52,7 +52,8 @@ struct DenseValues {
   __device__ static void prepare(const Params&, int, float*, int) {}
   template <int GB>
   __device__ static void accumulate(const Params&, const float*, const uint8_t* row,
-                                    const float w[GB], float acc[GB][8], int cg, int) {
+                                    const float w[GB], float acc[GB][8], float[GB], int cg,
+                                    int) {
     float v[8];
     halves8(row + cg * 16, v);
 #pragma unroll

@@ -9,21 +9,11 @@
 namespace kvq {
 
 // In-place forward randomized Hadamard of `gb` rows of D floats in shared memory: x <- H diag(s) x
-// / sqrt(D) times `post` (kvq-cache hadamard.rs `apply`), range-based butterflies.
+// / sqrt(D) times `post` (kvq-cache hadamard.rs `apply`).
 __device__ inline void forward_hadamard(float* rows, int gb, int D, const float* signs, float post) {
   for (int i = threadIdx.x; i < gb * D; i += KVQ_THREADS) rows[i] *= __ldg(signs + i % D);
   __syncthreads();
-  for (int h = 1; h < D; h <<= 1) {
-    for (int i = threadIdx.x; i < gb * D / 2; i += KVQ_THREADS) {
-      int g = i / (D / 2), k = i % (D / 2);
-      int lo = (k / h) * 2 * h + (k % h);
-      float* r = rows + g * D;
-      float u = r[lo], v = r[lo + h];
-      r[lo] = u + v;
-      r[lo + h] = u - v;
-    }
-    __syncthreads();
-  }
+  butterflies(rows, gb, D);
   const float sc = rsqrtf((float)D) * post;
   for (int i = threadIdx.x; i < gb * D; i += KVQ_THREADS) rows[i] *= sc;
   __syncthreads();
@@ -112,7 +102,8 @@ struct ScalarValues {
   }
   template <int GB>
   __device__ static void accumulate(const Params& p, const float* st, const uint8_t* row,
-                                    const float w[GB], float acc[GB][8], int cg, int) {
+                                    const float w[GB], float acc[GB][8], float[GB], int cg,
+                                    int) {
     const int bits = p.bits;
     const unsigned mask = (1u << bits) - 1;
     const float norm = f16_at(row);

@@ -73,7 +73,8 @@ struct VqValues {
   }
   template <int GB>
   __device__ static void accumulate(const Params& p, const float* st, const uint8_t* row,
-                                    const float w[GB], float acc[GB][8], int cg, int) {
+                                    const float w[GB], float acc[GB][8], float[GB], int cg,
+                                    int) {
     const int sub = p.sub;
     const float* books = p.books_in_smem ? st : p.books;
     float v[8];
