@@ -9,8 +9,9 @@
 //!   its fp16 rows (sinks and recent window) through [`merge_partial`].
 //!
 //! Each op has a plain `*_reference` function that is the definition of correct, and the cache
-//! code only ever calls the op functions, so a `cuda_fwd` or `metal_fwd` can be added to the ops
-//! (dispatching on [`KeyCodec::kernel`] / [`ValueCodec::kernel`]) without touching the caches.
+//! code only ever calls the op functions. With the `cuda` feature the ops also have a `cuda_fwd`
+//! (module `cuda`), which runs a codec from its [`spec`] (`kernel_data()`) without the caches knowing;
+//! a `metal_fwd` is to follow the same way.
 
 mod attend;
 mod codec;

@@ -1,10 +1,12 @@
 // The fused decode-attention skeleton every method's CUDA kernel instantiates: flash-decoding
 // over the compressed code rows of one kv head, GQA-aware (one pass over the codes serves all
 // query heads of the group), split over the sequence, online softmax per split, and the combine
-// kernel that merges the splits (and, when given, exact fp16 rows: sinks and the recent window).
+// kernel that merges the splits (exact fp16 rows, sinks and window, arrive as one more split from
+// the fp16 kernel).
 //
 // A method supplies two policies:
-//   Keys::prepare(p, q rows, kv head, smem)    per-query state (rotated query, sketch tables, LUT)
+//   Keys::prepare(p, q rows, head stride, heads, kv head, smem, D, query row, row stride)
+//     per-query state (rotated query, sketch tables, LUT)
 //   Keys::score(p, smem state, code row, out[GB], D, part)  this thread's half (part 0 or 1) of
 //     q . k for GB heads from one code row; the two halves are summed by a shuffle
 //   Vals::accumulate(p, smem, code row, w[GB], acc[GB][8], am[GB], coordinate group)  acc += w v;
@@ -38,7 +40,7 @@ struct AttendArgs {
   float scale;
   long long first_pos, window, sinks, sliding, code_first, exact_before;
   long long n_rows;   // code rows present
-  int split_rows;     // rows per split (multiple of KVQ_TILE)
+  int split_rows;     // rows per split (a multiple of `tile`)
   int n_splits;
   int kstride, vstride;  // shared-memory stride of one code row (bytes)
   int aligned;           // head bases and strides 16-byte aligned: asynchronous tile copies

@@ -1,8 +1,9 @@
 //! Launching the fused decode attention on CUDA: picks the family's kernel, the heads per block
 //! (GQA: one pass over a kv head's codes serves up to 8 query heads), the split of the rows over
 //! the sequence (flash-decoding: enough blocks to fill every multiprocessor), the shared memory,
-//! then merges the splits (and optional exact fp16 rows) with the combine kernel. Two launches
-//! per layer and decode step, whatever the context length.
+//! then merges the splits with the combine kernel; the exact fp16 rows (sinks, window), when
+//! given, are one more split computed by the fp16 kernel. Two to four launches per layer and
+//! decode step (sketch projection, codes, fp16 rows, combine), whatever the context length.
 
 use super::{
     AttendArgs, CombineArgs, DenseParams, KeyArgs, ProjectArgs, ValueArgs, check_launch, drv,
