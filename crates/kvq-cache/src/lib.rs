@@ -10,6 +10,7 @@ pub mod compressed;
 pub mod error;
 pub mod methods;
 pub mod registry;
+pub mod rowbuf;
 pub mod traits;
 
 #[cfg(test)]
@@ -17,6 +18,9 @@ mod rolling_tests;
 
 #[cfg(test)]
 mod centering_tests;
+
+#[cfg(test)]
+mod tensor_path_tests;
 
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};

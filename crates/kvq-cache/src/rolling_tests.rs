@@ -4,7 +4,6 @@
 
 use crate::codec::sketch::SplitMix;
 use crate::compressed::{CodecFactory, CompressedCache};
-use crate::methods::dense::{F32Cache, Fp16Cache};
 use crate::methods::qjl::QjlFactory;
 use crate::methods::turboquant_mse::TurboQuantMseFactory;
 use crate::methods::turboquant_prod::TurboQuantProdFactory;
@@ -33,84 +32,116 @@ fn geom() -> CacheGeometry {
 /// A rolling cache and one of the same method that keeps every row.
 type Pair = (Box<dyn KvCache>, Box<dyn KvCache>);
 
-/// [`Pair`] of `f`'s method.
-fn compressed<F: CodecFactory>(f: &F) -> Pair {
-    let make = || {
-        let (k, v) = f.codecs(0, &geom()).expect("codecs");
-        CompressedCache::new(
-            geom(),
-            f.method(),
-            Arc::new(k),
-            Arc::new(v),
-            f.window(),
-            f.sinks(),
-        )
-        .with_key_centering(f.key_centering())
-    };
-    (Box::new(make()), Box::new(make().keep_all()))
+/// How [`every_method`] builds its caches.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// As the registry does: rows that left a sliding window are dropped.
+    Rolling,
+    /// Every row kept (what a rolling cache must equal).
+    KeepAll,
+    /// Rolling, with the rows in tensors and attention in tensor ops (a GPU cache's path).
+    Tensor,
 }
 
-/// Every method: (name, rolling, keeping everything). Compressed ones with a 16-token fp16 window
-/// and 2 sinks, so most of the window is read from codes.
-fn all() -> Vec<(String, Pair)> {
-    let mut out: Vec<(String, Pair)> = vec![
-        (
-            "fp16".into(),
-            (
-                Box::new(Fp16Cache::new(geom())),
-                Box::new(Fp16Cache::new(geom()).keep_all()),
-            ),
-        ),
-        (
-            "f32".into(),
-            (
-                Box::new(F32Cache::new(geom())),
-                Box::new(F32Cache::new(geom()).keep_all()),
-            ),
-        ),
-    ];
-    let mut push = |name: &str, pair: Pair| out.push((name.to_string(), pair));
+fn compressed<F: CodecFactory>(f: &F, g: CacheGeometry, mode: Mode) -> Box<dyn KvCache> {
+    let (k, v) = f.codecs(0, &g).expect("codecs");
+    let c = CompressedCache::new(
+        g,
+        f.method(),
+        Arc::new(k),
+        Arc::new(v),
+        f.window(),
+        f.sinks(),
+    )
+    .with_key_centering(f.key_centering());
+    Box::new(match mode {
+        Mode::Rolling => c,
+        Mode::KeepAll => c.keep_all(),
+        Mode::Tensor => c.tensor_path().expect("tensor path"),
+    })
+}
+
+fn dense<E: crate::methods::dense::Element>(g: CacheGeometry, mode: Mode) -> Box<dyn KvCache> {
+    let c = crate::methods::dense::DenseCache::<E>::new(g);
+    Box::new(match mode {
+        Mode::Rolling => c,
+        Mode::KeepAll => c.keep_all(),
+        Mode::Tensor => c.tensor_path(),
+    })
+}
+
+/// Every method at `g`, built as `mode` says. Compressed ones with a 16-token fp16 window and 2
+/// sinks, so most of the window is read from codes.
+pub(crate) fn every_method(g: CacheGeometry, mode: Mode) -> Vec<(String, Box<dyn KvCache>)> {
     let (window, sinks) = (16, 2);
-    push(
-        "turboquant-mse",
-        compressed(&TurboQuantMseFactory {
-            window,
-            sinks,
-            ..TurboQuantMseFactory::new(3)
-        }),
-    );
-    push(
-        "turboquant-rvq",
-        compressed(&TurboQuantRvqFactory {
-            window,
-            sinks,
-            ..TurboQuantRvqFactory::new(4)
-        }),
-    );
-    push(
-        "turboquant-prod",
-        compressed(&TurboQuantProdFactory {
-            window,
-            sinks,
-            ..TurboQuantProdFactory::new(3)
-        }),
-    );
-    push(
-        "qjl",
-        compressed(&QjlFactory {
-            window,
-            sinks,
-            ..QjlFactory::new(3)
-        }),
-    );
-    let cal = Arc::new(VecInferCalibration::random(1, KVH, D, 7));
+    let cal = Arc::new(VecInferCalibration::random(1, g.n_kv_heads, g.head_dim, 7));
     let vecinfer = VecInferFactory {
         window,
         sinks,
         ..VecInferFactory::new(cal, 4, DEFAULT_SEED).expect("factory")
     };
-    push("vecinfer", compressed(&vecinfer));
-    out
+    vec![
+        ("fp16".into(), dense::<half::f16>(g, mode)),
+        ("f32".into(), dense::<f32>(g, mode)),
+        (
+            "turboquant-mse".into(),
+            compressed(
+                &TurboQuantMseFactory {
+                    window,
+                    sinks,
+                    ..TurboQuantMseFactory::new(3)
+                },
+                g,
+                mode,
+            ),
+        ),
+        (
+            "turboquant-rvq".into(),
+            compressed(
+                &TurboQuantRvqFactory {
+                    window,
+                    sinks,
+                    ..TurboQuantRvqFactory::new(4)
+                },
+                g,
+                mode,
+            ),
+        ),
+        (
+            "turboquant-prod".into(),
+            compressed(
+                &TurboQuantProdFactory {
+                    window,
+                    sinks,
+                    ..TurboQuantProdFactory::new(3)
+                },
+                g,
+                mode,
+            ),
+        ),
+        (
+            "qjl".into(),
+            compressed(
+                &QjlFactory {
+                    window,
+                    sinks,
+                    ..QjlFactory::new(3)
+                },
+                g,
+                mode,
+            ),
+        ),
+        ("vecinfer".into(), compressed(&vecinfer, g, mode)),
+    ]
+}
+
+/// Every method: (name, rolling, keeping everything).
+fn all() -> Vec<(String, Pair)> {
+    every_method(geom(), Mode::Rolling)
+        .into_iter()
+        .zip(every_method(geom(), Mode::KeepAll))
+        .map(|((name, a), (_, b))| (name, (a, b)))
+        .collect()
 }
 
 fn tensor(rng: &mut SplitMix, heads: usize, t: usize) -> Tensor {

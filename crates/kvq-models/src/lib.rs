@@ -8,7 +8,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
-pub use loader::{LoadedModel, ModelInfo, default_model_path, load};
+pub use loader::{LoadedModel, ModelInfo, default_model_path, load, load_on};
 pub use tokenizer::Tokenizer;
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -63,9 +63,20 @@ pub fn resolve_hf_id(id: &str) -> Option<PathBuf> {
 }
 
 /// Loads a GGUF file, a Hugging Face directory (config.json, *.safetensors, tokenizer.json), or
-/// a Hugging Face id already in the local hub cache. `progress(done, total)` reports layers loaded.
+/// a Hugging Face id already in the local hub cache, on the CPU. `progress(done, total)` reports
+/// layers loaded.
 pub fn load(path: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
-    let device = Device::Cpu;
+    load_on(path, &Device::Cpu, progress)
+}
+
+/// [`load`] onto `device`: GGUF weights stay quantized in its memory (candle's quantized matmuls
+/// for that device), safetensors weights are held in f16 on a GPU (f32 on the CPU).
+pub fn load_on(
+    path: &Path,
+    device: &Device,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<LoadedModel> {
+    let device = device.clone();
     let resolved;
     let path = if path.exists() {
         path

@@ -393,6 +393,10 @@ struct CombineArgs {
   int n_splits, nh, T;
   float* out;  // [B][nh][T][D+2]
   int normalize;
+  // Added to the max of splits [0, shift_splits) of row r when non-null: the compressed
+  // splits of a centered cache scored `q . (k - mu)`, the softmax needs `q . k`.
+  const float* shift;  // [B][nh][T]
+  int shift_splits;
 };
 
 // Most splits the combine takes (attend.rs keeps n_splits under it).
@@ -409,8 +413,9 @@ __device__ void combine_block(const CombineArgs& a) {
   __shared__ float red[NW][D + 1];
   __shared__ float mred[NW];
   float m = -INFINITY;
+  const float sh = a.shift != nullptr ? a.shift[row] : 0.f;
   for (int s = c; s < a.n_splits; s += KVQ_THREADS) {
-    ms[s] = p[s * (D + 2) + D];
+    ms[s] = p[s * (D + 2) + D] + (s < a.shift_splits ? sh : 0.f);
     ls[s] = p[s * (D + 2) + D + 1];
     m = fmaxf(m, ms[s]);
   }

@@ -2,7 +2,7 @@
 //! center's state, encoding keys around it, and the one decision made from the first queries.
 
 use super::CompressedCache;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -109,11 +109,16 @@ impl CompressedCache {
         }
     }
 
-    /// The key rows to encode for an append of `k` (`[kv heads, t, d]`; `kd` its values) and the
-    /// position they start at. Centered keys are rounded to fp16 first, so a center fixed in a
-    /// prefill chunk and one fixed by single decode steps (from the fp16 rows) code alike: what
-    /// a query sees does not depend on how the text was split into appends.
-    pub(super) fn keys_to_encode(&mut self, k: &Tensor, kd: &[f32]) -> Result<(Tensor, usize)> {
+    /// The key rows to encode for an append of `k` (`[kv heads, t, d]`; `kd` its values, read
+    /// back here when not given: a GPU cache) and the position they start at. Centered keys are
+    /// rounded to fp16 first, so a center fixed in a prefill chunk and one fixed by single decode
+    /// steps (from the fp16 rows) code alike: what a query sees does not depend on how the text
+    /// was split into appends.
+    pub(super) fn keys_to_encode(
+        &mut self,
+        k: &Tensor,
+        kd: Option<&[f32]>,
+    ) -> Result<(Tensor, usize)> {
         let (kvh, t, d) = k.dims3()?;
         let (len, end, want) = (self.len, self.len + t, self.sinks + CENTER_ROWS);
         let round = |x: &f32| f16::from_f32(*x).to_f32();
@@ -128,14 +133,38 @@ impl CompressedCache {
             Center::Pending => true,
             Center::On { .. } => false,
         };
+        if let (false, Some(mu)) = (fix_now, &self.mu_dev) {
+            // On the device: the same rounding and subtraction, in tensor ops.
+            let x = k.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+            return Ok((x.broadcast_sub(&mu.transpose(1, 2)?)?, len));
+        }
+        let read;
+        let kd = match kd {
+            Some(kd) => kd,
+            None => {
+                read = k.flatten_all()?.to_vec1::<f32>()?;
+                &read
+            }
+        };
+        // The early keys from the fp16 rows (all kept while the center was pending); a GPU
+        // cache reads them back once, here.
+        let early_dev = match (&self.recent_k.dev, fix_now) {
+            (Some(buf), true) => buf
+                .view(len)?
+                .map(|v| v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>())
+                .transpose()?,
+            _ => None,
+        };
         let (from, rows) = if fix_now { (0, end) } else { (len, t) };
         // `[kv head][rows][d]`: every key so far when the center is fixed now (the earlier ones
         // from their fp16 rows, all kept while it was pending), else the new ones.
         let mut x = vec![0f32; kvh * rows * d];
         for (h, dst) in x.chunks_mut(rows * d).enumerate() {
             let (early, new) = dst.split_at_mut((len - from) * d);
-            if fix_now {
-                self.recent_k.rows[h][..len * d].convert_to_f32_slice(early);
+            match &early_dev {
+                _ if !fix_now => {}
+                Some(e) => early.copy_from_slice(&e[h * len * d..(h + 1) * len * d]),
+                None => self.recent_k.rows[h][..len * d].convert_to_f32_slice(early),
             }
             for (o, v) in new.iter_mut().zip(&kd[h * t * d..(h + 1) * t * d]) {
                 *o = round(v);
@@ -162,6 +191,9 @@ impl CompressedCache {
                 if share < self.center_share {
                     m.fill(0.0);
                 }
+            }
+            if self.recent_k.dev.is_some() {
+                self.mu_dev = Some(Tensor::from_vec(mu.clone(), (kvh, d, 1), k.device())?);
             }
             self.center = Center::On {
                 mu,

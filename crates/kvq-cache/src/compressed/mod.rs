@@ -32,13 +32,15 @@
 //! sharp. Such a layer does not roll under a sliding window.
 
 mod center;
+mod device;
 
 pub use center::{CENTER_ROWS, SHARP_LOGITS};
 
 use crate::attention::{dot, window_start};
+use crate::rowbuf::RowBuf;
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use crate::{CacheError, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use center::Center;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -92,15 +94,17 @@ impl<F: CodecFactory> CacheFactory for F {
     }
 }
 
-/// Positions by which code rows grow (so `resident_bytes` stays close to the promised size).
-const GROW_TOKENS: usize = 256;
-
-/// fp16 rows of one kind (keys or values) for a contiguous range of positions, per head.
+/// fp16 rows of one kind (keys or values) for a contiguous range of positions, per head: on
+/// the host for a CPU cache (its merge reads them row by row), in a device buffer on a GPU (the
+/// kernels read them there).
 #[derive(Default)]
 struct Fp16Rows {
-    /// `[head][pos - first][d]`, one Vec per head.
+    /// `[head][pos - first][d]`, one Vec per head (CPU).
     rows: Vec<Vec<f16>>,
+    /// The first position held (any before it are gone).
     first: usize,
+    /// `[heads, capacity, d]` f16 on the device, when the cache lives there.
+    dev: Option<RowBuf>,
 }
 
 impl Fp16Rows {
@@ -108,6 +112,7 @@ impl Fp16Rows {
         Self {
             rows: vec![Vec::new(); heads],
             first: 0,
+            dev: None,
         }
     }
 
@@ -117,68 +122,10 @@ impl Fp16Rows {
     }
 
     fn bytes(&self) -> usize {
-        self.rows.iter().map(|r| r.capacity() * 2).sum()
-    }
-}
-
-/// A growable `[heads, capacity, width]` u8 tensor of code rows, grown in `GROW_TOKENS` steps.
-/// Row `i` holds position `first + i`: under a sliding window, rows no query can reach are
-/// dropped when the buffer is next reallocated, so it stops growing at the window.
-struct CodeBuf {
-    buf: Option<Tensor>,
-    cap: usize,
-    width: usize,
-    heads: usize,
-    first: usize,
-}
-
-impl CodeBuf {
-    fn new(heads: usize, width: usize) -> Self {
-        Self {
-            buf: None,
-            cap: 0,
-            width,
-            heads,
-            first: 0,
+        match &self.dev {
+            Some(d) => d.bytes(),
+            None => self.rows.iter().map(|r| r.capacity() * 2).sum(),
         }
-    }
-
-    /// Writes `codes` (`[heads, t, width]`) for positions `len..len + t`; positions before
-    /// `keep_from` may be dropped (they are when the buffer has to grow).
-    fn write(&mut self, codes: &Tensor, len: usize, keep_from: usize) -> Result<()> {
-        let t = codes.dim(1)?;
-        if self.buf.is_none() || len < self.first || len - self.first + t > self.cap {
-            let first = keep_from.max(self.first.min(len)).min(len);
-            let live = len - first;
-            // A rolling buffer keeps a step of slack so it is reallocated once per GROW_TOKENS.
-            let slack = if first > 0 { GROW_TOKENS } else { 0 };
-            let cap = (live + t).div_ceil(GROW_TOKENS) * GROW_TOKENS + slack;
-            let fresh = Tensor::zeros((self.heads, cap, self.width), DType::U8, codes.device())?;
-            if let (Some(old), true) = (&self.buf, live > 0) {
-                let rows = old.narrow(1, first - self.first, live)?.contiguous()?;
-                fresh.slice_set(&rows, 1, 0)?;
-            }
-            self.buf = Some(fresh);
-            self.cap = cap;
-            self.first = first;
-        }
-        if let Some(buf) = &self.buf {
-            buf.slice_set(&codes.contiguous()?, 1, len - self.first)?;
-        }
-        Ok(())
-    }
-
-    /// The rows of positions `first..len`, as a view.
-    fn view(&self, len: usize) -> Result<Option<Tensor>> {
-        Ok(match &self.buf {
-            Some(b) => Some(b.narrow(1, 0, len.saturating_sub(self.first))?),
-            None => None,
-        })
-    }
-
-    /// Shrinks to `len` rows (the capacity keeps its size; rows past `len` are overwritten later).
-    fn bytes(&self) -> usize {
-        self.heads * self.cap * self.width
     }
 }
 
@@ -190,8 +137,8 @@ pub struct CompressedCache {
     values: Arc<dyn ValueCodec>,
     window: usize,
     sinks: usize,
-    key_codes: CodeBuf,
-    val_codes: CodeBuf,
+    key_codes: RowBuf,
+    val_codes: RowBuf,
     recent_k: Fp16Rows,
     recent_v: Fp16Rows,
     sink_k: Fp16Rows,
@@ -205,6 +152,8 @@ pub struct CompressedCache {
     /// Squared norms of the query rows at the positions that fix the center, and their count.
     q_sq: f64,
     q_rows: usize,
+    /// The center as a device tensor `[kv heads, d, 1]`, when the cache lives on a GPU.
+    mu_dev: Option<Tensor>,
 }
 
 impl CompressedCache {
@@ -221,8 +170,8 @@ impl CompressedCache {
         Self {
             geom,
             method: method.to_string(),
-            key_codes: CodeBuf::new(h, keys.code_bytes()),
-            val_codes: CodeBuf::new(h, values.code_bytes()),
+            key_codes: RowBuf::codes(h, keys.code_bytes()),
+            val_codes: RowBuf::codes(h, values.code_bytes()),
             keys,
             values,
             window: window.max(1),
@@ -237,6 +186,7 @@ impl CompressedCache {
             center_share: 0.0,
             q_sq: 0.0,
             q_rows: 0,
+            mu_dev: None,
         }
     }
 
@@ -249,6 +199,13 @@ impl CompressedCache {
         self
     }
 
+    /// Keeps the fp16 rows in tensors and attends in tensor ops even on the CPU, as a GPU cache
+    /// does: the tests compare that path with the CPU's.
+    pub fn tensor_path(mut self) -> Result<Self> {
+        self.use_device()?;
+        Ok(self)
+    }
+
     /// Keeps every code row even under a sliding window: what the rolling cache must equal
     /// (tests), at the memory it saves.
     pub fn keep_all(mut self) -> Self {
@@ -257,15 +214,25 @@ impl CompressedCache {
     }
 
     /// Drops fp16 rows no future query can need (all but the last `window - 1` positions).
-    fn trim_recent(&mut self) {
+    fn trim_recent(&mut self) -> Result<()> {
         if self.holds_rows() {
             // Re-encoded from when the center is fixed, or read by every query of a sharp layer.
-            return;
+            return Ok(());
         }
         let d = self.geom.head_dim;
         let keep_from = self.len.saturating_sub(self.window - 1);
         if keep_from <= self.recent_k.first {
-            return;
+            return Ok(());
+        }
+        if self.recent_k.dev.is_some() {
+            let (len, keep) = (self.len, self.window + 1);
+            for rows in [&mut self.recent_k, &mut self.recent_v] {
+                rows.first = keep_from;
+                if let Some(buf) = &mut rows.dev {
+                    buf.shrink(len, keep_from, keep)?;
+                }
+            }
+            return Ok(());
         }
         let drop = (keep_from - self.recent_k.first) * d;
         for rows in [&mut self.recent_k, &mut self.recent_v] {
@@ -278,6 +245,7 @@ impl CompressedCache {
             }
             rows.first = keep_from;
         }
+        Ok(())
     }
 
     fn params(&self, t: usize, scale: f32) -> AttendParams {
@@ -352,25 +320,38 @@ impl KvCache for CompressedCache {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
         let t = self.geom.check_append(self.len, k, v)?;
-        self.trim_recent();
+        if !k.device().is_cpu() && self.recent_k.dev.is_none() {
+            self.use_device()?;
+        }
+        let on_device = self.recent_k.dev.is_some();
+        self.trim_recent()?;
         let (k, v) = (k.contiguous()?, v.contiguous()?);
         // Queries of the new rows start at `len`: codes before its sliding window can go.
         let keep_from = match self.roll {
             true => window_start(self.len, self.geom.sliding_window),
             false => 0,
         };
-        let kd = k.flatten_all()?.to_vec1::<f32>()?;
+        // A GPU cache never reads its keys back (but for fixing the center, once).
+        let kd = match on_device {
+            true => None,
+            false => Some(k.flatten_all()?.to_vec1::<f32>()?),
+        };
         if self.is_exact() {
             // Every query reads fp16 here: codes would only take memory.
-            self.key_codes = CodeBuf::new(kvh, self.keys.code_bytes());
-            self.val_codes = CodeBuf::new(kvh, self.values.code_bytes());
+            self.key_codes = RowBuf::codes(kvh, self.keys.code_bytes());
+            self.val_codes = RowBuf::codes(kvh, self.values.code_bytes());
         } else {
-            let (centered, at) = self.keys_to_encode(&k, &kd)?;
+            let (centered, at) = self.keys_to_encode(&k, kd.as_deref())?;
             self.key_codes
                 .write(&encode_keys(&self.keys, &centered)?, at, keep_from)?;
             self.val_codes
                 .write(&encode_values(&self.values, &v)?, self.len, keep_from)?;
         }
+        let Some(kd) = kd else {
+            self.push_device(&k, &v)?;
+            self.len += t;
+            return Ok(());
+        };
         let vd = v.flatten_all()?.to_vec1::<f32>()?;
         for h in 0..kvh {
             for i in 0..t {
@@ -397,8 +378,16 @@ impl KvCache for CompressedCache {
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
         let t = self.geom.check_attend(self.len, q)?;
         let q = q.contiguous()?;
-        let qv = q.flatten_all()?.to_vec1::<f32>()?;
-        self.observe_queries(&qv, t, self.len - t);
+        let first = self.len - t;
+        // Only the queries at the positions that fix the center are looked at (a GPU cache
+        // reads its queries back for those few positions only).
+        let qv = match self.recent_k.dev.is_some() {
+            true if first >= self.sinks + CENTER_ROWS || first + t <= self.sinks => None,
+            _ => Some(q.flatten_all()?.to_vec1::<f32>()?),
+        };
+        if let Some(qv) = &qv {
+            self.observe_queries(qv, t, first);
+        }
         self.decide_exact(self.len - 1, scale);
         let p = self.params(t, scale);
         // The fp16 rows of the first query's window must still be here (they are unless the
@@ -411,6 +400,11 @@ impl KvCache for CompressedCache {
                 p.first_pos, self.recent_k.first
             )));
         }
+        let Some(qv) = qv.filter(|_| self.recent_k.dev.is_none()) else {
+            let out = self.attend_device(&q, t, p)?;
+            self.trim_recent()?;
+            return Ok(out);
+        };
         let (_, c0, c1) = p.ranges(self.len.saturating_sub(1));
         let parts = match (
             c1 > c0,
@@ -426,7 +420,7 @@ impl KvCache for CompressedCache {
         };
         let out = self.merge(&qv, parts.as_deref(), t, p);
         // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.
-        self.trim_recent();
+        self.trim_recent()?;
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
     }
 
@@ -484,6 +478,7 @@ impl KvCache for CompressedCache {
             // and decide sharpness from the queries that come from now on. Without those rows
             // the old center stays: every code was made with it.
             self.center = Center::Pending;
+            self.mu_dev = None;
             (self.q_sq, self.q_rows) = (0.0, 0);
         }
         Ok(())

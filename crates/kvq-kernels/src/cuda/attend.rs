@@ -50,6 +50,9 @@ pub struct ExtraRows {
     pub keys: u64,
     pub values: u64,
     pub n: usize,
+    /// `[B][nh]` f32 added to the codes' logits before they meet these rows (a centered
+    /// cache's `scale * q . mu`), or 0.
+    pub shift: u64,
 }
 
 /// One launch: the codecs' kernel parameters and the geometry.
@@ -441,6 +444,8 @@ pub fn launch(
         t: l.t as i32,
         out: super::address(&out, &stream, 0),
         normalize: i32::from(normalize),
+        shift: extra.map_or(0, |x| x.shift),
+        shift_splits: n_splits as i32,
     };
     let cname = format!("kvq_combine_d{d}");
     let cf = function(dev, "common_combine", &cname)?;

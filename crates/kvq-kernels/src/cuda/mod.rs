@@ -69,7 +69,20 @@ pub(crate) fn function_smem(
                 let Some((_, src)) = ptx::MODULES.iter().find(|(n, _)| *n == module) else {
                     bail!("cuda: no embedded kernel module {module}")
                 };
-                let m = drv(ctx.load_module((*src).into()), module)?;
+                // Kernel work on a GPU machine without Rust: `KVQ_CUDA_PTX_DIR` holds PTX
+                // compiled there from kernels/cuda (`<family>_<file>.ptx`, as
+                // `scripts/build-cuda ptx` names them), loaded instead of the embedded text.
+                let text = match std::env::var_os("KVQ_CUDA_PTX_DIR") {
+                    Some(dir) => {
+                        let path = std::path::Path::new(&dir).join(format!("{module}.ptx"));
+                        match std::fs::read_to_string(&path) {
+                            Ok(t) => t,
+                            Err(_) => (*src).to_string(),
+                        }
+                    }
+                    None => (*src).to_string(),
+                };
+                let m = drv(ctx.load_module(text.into()), module)?;
                 map.insert((id, module), m.clone());
                 m
             }

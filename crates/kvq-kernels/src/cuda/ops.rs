@@ -210,7 +210,30 @@ pub fn decode_attend(
     };
     let ka = key_args(dev, keys)?;
     let va = value_args(dev, values)?;
-    batched(dev, ka, va, p, q, kc, vc, extra, normalize)
+    batched(dev, ka, va, p, q, kc, vc, extra, None, normalize)
+}
+
+/// [`decode_attend`] for a centered cache: `shift` `[B, nh]` f32 (`scale * q . mu` per query
+/// head) is added to the codes' logits before they are merged with the exact rows, which hold
+/// raw keys. One query row per sequence.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attend_shifted(
+    keys: &dyn KeyCodec,
+    values: &dyn ValueCodec,
+    p: AttendParams,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    extra: (&Tensor, &Tensor),
+    shift: Option<&Tensor>,
+    normalize: bool,
+) -> Result<Tensor> {
+    let candle_core::Device::Cuda(dev) = q.device() else {
+        bail!("cuda: decode_attend needs CUDA tensors")
+    };
+    let ka = key_args(dev, keys)?;
+    let va = value_args(dev, values)?;
+    batched(dev, ka, va, p, q, kc, vc, Some(extra), shift, normalize)
 }
 
 /// Batched fused decode attention over fp16 keys and values `[B, kvh, n, d]` (the fp16 cache's
@@ -238,6 +261,7 @@ pub fn dense_decode_attend(
         k,
         v,
         None,
+        None,
         normalize,
     )
 }
@@ -252,6 +276,7 @@ fn batched(
     kc: &Tensor,
     vc: &Tensor,
     extra: Option<(&Tensor, &Tensor)>,
+    shift: Option<&Tensor>,
     normalize: bool,
 ) -> Result<Tensor> {
     let &[b, nh, t, d] = q.dims() else {
@@ -269,7 +294,16 @@ fn batched(
     }
     let elem = |t: &Tensor| t.dtype().size_in_bytes() as i64;
     let q = q.contiguous()?;
-    let (kc, vc) = (kc.contiguous()?, vc.contiguous()?);
+    // Code rows may be a view into a longer buffer (a cache's rows `..len` of its capacity):
+    // only each row must be contiguous.
+    let rows_contiguous = |c: &Tensor| -> Result<Tensor> {
+        let (s, w) = (c.stride(), c.dims()[3]);
+        match s[3] == 1 && (c.dims()[2] <= 1 || s[2] == w) {
+            true => Ok(c.clone()),
+            false => c.contiguous(),
+        }
+    };
+    let (kc, vc) = (rows_contiguous(kc)?, rows_contiguous(vc)?);
     let qv = with_cuda(&q, |s, l| {
         Ok(QueryView {
             addr: storage_address(s, l)?.0,
@@ -281,21 +315,46 @@ fn batched(
     let code_view = |c: &Tensor| {
         with_cuda(c, |s, l| {
             let row = c.dims()[3] * elem(c) as usize;
+            let st = l.stride();
             Ok(CodeView {
                 addr: storage_address(s, l)?.0,
-                b_stride: (kvh * n * row) as i64,
-                h_stride: (n * row) as i64,
+                b_stride: st[0] as i64 * elem(c),
+                h_stride: st[1] as i64 * elem(c),
                 row_bytes: row,
                 rows: n,
             })
         })
     };
     let (kv, vv) = (code_view(&kc)?, code_view(&vc)?);
+    let shift = match shift {
+        Some(s) if s.dims() != [b, nh] || s.dtype() != DType::F32 => {
+            bail!(
+                "cuda: the logit shift must be f32 [{b}, {nh}], got {:?}",
+                s.dims()
+            )
+        }
+        Some(s) => Some(s.contiguous()?),
+        None => None,
+    };
+    let shift_addr = match &shift {
+        Some(s) => with_cuda(s, |st, l| Ok(storage_address(st, l)?.0))?,
+        None => 0,
+    };
     let extra = match extra {
         Some((xk, xv)) => {
             let (xk, xv) = (xk.contiguous()?, xv.contiguous()?);
-            if xk.dtype() != DType::F16 || xk.dims().len() != 4 || xk.dims()[3] != d {
-                bail!("cuda: exact rows must be f16 [B, kvh, nx, d]")
+            let ok = |x: &Tensor| {
+                x.dtype() == DType::F16
+                    && x.dims().len() == 4
+                    && x.dims()[..2] == [b, kvh]
+                    && x.dims()[3] == d
+            };
+            if !ok(&xk) || !ok(&xv) || xk.dims() != xv.dims() {
+                bail!(
+                    "cuda: exact rows must be f16 [{b}, {kvh}, nx, {d}], got {:?} / {:?}",
+                    xk.dims(),
+                    xv.dims()
+                )
             }
             let n = xk.dims()[2];
             let ka = with_cuda(&xk, |s, l| Ok(storage_address(s, l)?.0))?;
@@ -305,6 +364,7 @@ fn batched(
                     keys: ka,
                     values: va,
                     n,
+                    shift: shift_addr,
                 },
                 xk,
                 xv,
@@ -323,6 +383,8 @@ fn batched(
         p,
     };
     let out = launch(dev, &l, qv, kv, vv, extra.as_ref().map(|e| e.0), normalize)?;
+    // The shift is read by the combine, enqueued on the same stream before it is freed.
+    drop(shift);
     let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
     Ok(Tensor::from_storage(
         Storage::Cuda(storage),

@@ -58,6 +58,9 @@ pub struct CombineArgs {
     pub t: i32,
     pub out: u64,
     pub normalize: i32,
+    /// `[B][nh][t]` f32 added to the code splits' maxima (0: none).
+    pub shift: u64,
+    pub shift_splits: i32,
 }
 
 #[repr(C)]

@@ -95,6 +95,11 @@ impl Model {
         })
     }
 
+    /// The device the weights live on (and the caches, which follow the keys they are given).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The hyperparameters.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

@@ -1,5 +1,6 @@
 //! Where weights come from: GGUF (quantized, kept quantized) or safetensors (f32/f16/bf16, held as
-//! f32), behind one `WeightSource` so a single model definition serves both.
+//! f32 on the CPU and as f16 on a GPU, where the matmuls run in f16), behind one `WeightSource`
+//! so a single model definition serves both.
 
 use super::arch::Family;
 use super::q4_1::Q41Weight;
@@ -87,7 +88,7 @@ impl Embedding {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Embedding::Quantized(q) => q.embedding(ids)?.to_dtype(DType::F32)?,
-            Embedding::Dense(t) => t.index_select(ids, 0)?,
+            Embedding::Dense(t) => t.index_select(ids, 0)?.to_dtype(DType::F32)?,
         })
     }
 
@@ -95,6 +96,7 @@ impl Embedding {
     pub fn as_linear(&self) -> Result<Linear> {
         let w = match self {
             Embedding::Quantized(q) => QMatMul::from_arc(q.clone())?,
+            Embedding::Dense(t) if t.dtype() == DType::F16 => QMatMul::TensorF16(t.clone()),
             Embedding::Dense(t) => QMatMul::Tensor(t.clone()),
         };
         Linear::new(w, None)
@@ -223,6 +225,15 @@ impl SafetensorsWeights {
             .find(|n| self.st.get(n).is_ok())
     }
 
+    /// A matrix in the dtype its matmuls run in: f32 on the CPU, f16 on a GPU.
+    fn matrix(&self, gguf_name: &str) -> Result<Tensor> {
+        let t = self.get(gguf_name)?;
+        Ok(match self.device.is_cpu() {
+            true => t,
+            false => t.to_dtype(DType::F16)?,
+        })
+    }
+
     fn get(&self, gguf_name: &str) -> Result<Tensor> {
         let hf = self.find(gguf_name).ok_or_else(|| {
             let names = self.family.hf_names(gguf_name);
@@ -245,7 +256,11 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn linear(&mut self, prefix: &str) -> Result<Linear> {
-        let w = QMatMul::Tensor(self.get(&format!("{prefix}.weight"))?);
+        let w = self.matrix(&format!("{prefix}.weight"))?;
+        let w = match w.dtype() {
+            DType::F16 => QMatMul::TensorF16(w),
+            _ => QMatMul::Tensor(w),
+        };
         let bias = format!("{prefix}.bias");
         let b = if self.contains(&bias) {
             Some(self.get(&bias)?)
@@ -260,7 +275,7 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn embedding(&mut self, name: &str) -> Result<Embedding> {
-        Ok(Embedding::Dense(self.get(name)?))
+        Ok(Embedding::Dense(self.matrix(name)?))
     }
 
     fn len(&self) -> usize {

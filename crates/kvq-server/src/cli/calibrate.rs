@@ -95,7 +95,7 @@ pub async fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         .context("the hashing task failed")?
         .with_context(|| format!("could not hash the model {}", path.display()))?;
     hashing.finish_and_clear();
-    let model = load_with_progress(path.clone()).await?;
+    let model = load_with_progress(path.clone(), super::device::DeviceArg::Cpu).await?;
     let opts = CalibrateOptions {
         tokens: args.tokens,
         kmeans_samples: args.samples,

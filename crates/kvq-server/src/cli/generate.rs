@@ -31,6 +31,10 @@ pub struct GenerateArgs {
     /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
+    /// this binary has it and a GPU answers, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: super::device::DeviceArg,
     /// Directory of cache presets [default: configs/cache when it exists].
     #[arg(long)]
     pub cache_presets: Option<PathBuf>,
@@ -70,7 +74,7 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let cache = registry.resolve(&spec).context("--kv-cache-method")?;
 
-    let model = load_with_progress(path).await?;
+    let model = load_with_progress(path, args.device).await?;
     let engine = Engine::start(
         model,
         EngineConfig {

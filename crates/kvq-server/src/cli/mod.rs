@@ -3,6 +3,7 @@
 
 mod bench;
 mod calibrate;
+mod device;
 mod eval;
 mod generate;
 mod model;

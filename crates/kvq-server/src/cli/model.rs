@@ -22,8 +22,12 @@ pub fn resolve_model_path(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Loads `path` on a blocking thread, showing tensors loaded as a progress bar.
-pub async fn load_with_progress(path: PathBuf) -> anyhow::Result<LoadedModel> {
+/// Loads `path` onto `device` on a blocking thread, showing tensors loaded as a progress bar.
+pub async fn load_with_progress(
+    path: PathBuf,
+    device: super::device::DeviceArg,
+) -> anyhow::Result<LoadedModel> {
+    let device = device.resolve()?;
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("{spinner} loading {msg} [{bar:30}] {pos}/{len} tensors")
@@ -37,7 +41,7 @@ pub async fn load_with_progress(path: PathBuf) -> anyhow::Result<LoadedModel> {
     let task_path = path.clone();
     let started = std::time::Instant::now();
     let model = tokio::task::spawn_blocking(move || {
-        kvq_models::load(&task_path, &mut |done, total| {
+        kvq_models::load_on(&task_path, &device, &mut |done, total| {
             if task_bar.length() != Some(total) {
                 task_bar.set_length(total);
             }

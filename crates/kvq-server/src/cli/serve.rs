@@ -25,6 +25,10 @@ pub struct ServeArgs {
     /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
+    /// this binary has it and a GPU answers, else the CPU) [default: auto].
+    #[arg(long)]
+    pub device: Option<super::device::DeviceArg>,
     /// Sequences generating at once [default: 16].
     #[arg(long)]
     pub max_running: Option<usize>,
@@ -59,6 +63,7 @@ struct FileConfig {
     max_n: Option<usize>,
     default_kv_cache_method: Option<String>,
     cache_presets: Option<PathBuf>,
+    device: Option<String>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -66,6 +71,7 @@ struct Settings {
     host: String,
     port: u16,
     model: Option<PathBuf>,
+    device: super::device::DeviceArg,
     max_running: usize,
     max_waiting: usize,
     max_body_bytes: usize,
@@ -92,6 +98,13 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .unwrap_or_else(|| "127.0.0.1".into()),
         port: args.port.or(file.port).unwrap_or(8080),
         model: args.model.or(file.model),
+        device: match (args.device, file.device) {
+            (Some(d), _) => d,
+            (None, Some(d)) => d
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("device in the config file: {e}"))?,
+            (None, None) => super::device::DeviceArg::Auto,
+        },
         max_running: args
             .max_running
             .or(file.max_running)
@@ -117,7 +130,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_running >= 1, "--max-running must be at least 1");
     anyhow::ensure!(args.max_n >= 1, "--max-n must be at least 1");
     let path = resolve_model_path(args.model)?;
-    let model = load_with_progress(path.clone()).await?;
+    let model = load_with_progress(path.clone(), args.device).await?;
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
@@ -163,6 +176,7 @@ mod tests {
             host: None,
             port,
             model: None,
+            device: None,
             max_running: None,
             max_waiting: None,
             max_body_bytes: None,
@@ -170,6 +184,27 @@ mod tests {
             default_kv_cache_method: None,
             cache_presets: None,
         }
+    }
+
+    #[test]
+    fn device_comes_from_the_flag_then_the_file_and_a_bad_one_is_an_error() {
+        use super::super::device::DeviceArg;
+        let dir = std::env::temp_dir().join(format!("kvq-serve-device-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("server.toml");
+        std::fs::write(&file, "device = \"cpu\"\n").unwrap();
+        assert_eq!(settings(args(None, None)).unwrap().device, DeviceArg::Auto);
+        assert_eq!(
+            settings(args(Some(file.clone()), None)).unwrap().device,
+            DeviceArg::Cpu
+        );
+        let mut a = args(Some(file.clone()), None);
+        a.device = Some(DeviceArg::Cuda(1));
+        assert_eq!(settings(a).unwrap().device, DeviceArg::Cuda(1));
+        std::fs::write(&file, "device = \"tpu\"\n").unwrap();
+        let err = format!("{:#}", settings(args(Some(file), None)).err().unwrap());
+        assert!(err.contains("unknown device 'tpu'"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

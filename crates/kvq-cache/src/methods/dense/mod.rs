@@ -2,7 +2,9 @@
 //! Keys and values are held in fixed-size blocks allocated as the sequence grows (never a
 //! concatenation per token); under a sliding window the blocks no query can reach again are
 //! released and recycled, so memory stops growing at the window. Attention is exact up to the
-//! storage type's rounding.
+//! storage type's rounding. On a GPU the rows live in device buffers instead (`device.rs`).
+
+mod device;
 
 use crate::Result;
 use crate::attention::{axpy, dot, softmax_in_place, window_start};
@@ -118,6 +120,8 @@ pub struct DenseCache<E> {
     len: usize,
     /// Release blocks that left the sliding window (see [`Self::keep_all`]).
     roll: bool,
+    /// The rows on the device, for a cache whose keys come from a GPU (then `blocks` is empty).
+    dev: Option<device::DeviceRows>,
 }
 
 impl<E: Element> DenseCache<E> {
@@ -129,7 +133,15 @@ impl<E: Element> DenseCache<E> {
             spare: None,
             len: 0,
             roll: true,
+            dev: None,
         }
+    }
+
+    /// Keeps the rows in tensors and attends in tensor ops even on the CPU, as a GPU cache
+    /// does: the tests compare that path with the CPU's.
+    pub fn tensor_path(mut self) -> Self {
+        self.dev = Some(device::DeviceRows::new::<E>(&self.geom));
+        self
     }
 
     /// Keeps every block even under a sliding window: what the rolling cache must equal (tests),
@@ -314,6 +326,19 @@ impl<E: Element> KvCache for DenseCache<E> {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
         let t = self.geom.check_append(self.len, k, v)?;
+        if !k.device().is_cpu() || self.dev.is_some() {
+            let keep_from = match self.roll {
+                true => window_start(self.len, self.geom.sliding_window),
+                false => 0,
+            };
+            let geom = self.geom;
+            let dev = self
+                .dev
+                .get_or_insert_with(|| device::DeviceRows::new::<E>(&geom));
+            dev.append::<E>(k, v, self.len, keep_from)?;
+            self.len += t;
+            return Ok(());
+        }
         let kd = E::read(k)?;
         let vd = E::read(v)?;
         if let (Some(w), true) = (self.geom.sliding_window, self.roll) {
@@ -346,6 +371,9 @@ impl<E: Element> KvCache for DenseCache<E> {
 
     fn attend(&mut self, q: &Tensor, scale: f32) -> Result<Tensor> {
         let t = self.geom.check_attend(self.len, q)?;
+        if let Some(dev) = &self.dev {
+            return dev.attend(&self.geom, &q.contiguous()?, self.len, scale);
+        }
         if t > DECODE_MAX_ROWS {
             return self.attend_matmul(&q.contiguous()?, t, scale);
         }
@@ -359,6 +387,9 @@ impl<E: Element> KvCache for DenseCache<E> {
     }
 
     fn resident_bytes(&self) -> usize {
+        if let Some(dev) = &self.dev {
+            return dev.bytes();
+        }
         self.blocks
             .iter()
             .flatten()
@@ -373,6 +404,11 @@ impl<E: Element> KvCache for DenseCache<E> {
         }
         // A query at position n reads from its window start on: those blocks must still be here.
         let needed = window_start(n, self.geom.sliding_window);
+        if self.dev.as_ref().is_some_and(|d| d.first() > needed) {
+            return Err(crate::CacheError::Shape(format!(
+                "cannot truncate to {n}: the rows from position {needed} left the sliding window"
+            )));
+        }
         if self
             .blocks
             .get(needed / BLOCK_TOKENS)

@@ -39,6 +39,8 @@ pub(super) fn child_args(
     opt("--methods", method.into());
     opt("--ctx", ctx.to_string().into());
     opt("--gen-tokens", args.gen_tokens.to_string().into());
+    opt("--sequences", args.sequences.to_string().into());
+    opt("--device", args.device.to_string().into());
     opt("--repeats", args.repeats.to_string().into());
     opt("--seed", args.seed.to_string().into());
     opt("--prefill-chunk", args.prefill_chunk.to_string().into());

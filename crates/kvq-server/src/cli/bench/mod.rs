@@ -28,6 +28,10 @@ pub struct BenchArgs {
     /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
+    /// this binary has it and a GPU answers, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: crate::cli::device::DeviceArg,
     /// Context depths to measure, comma-separated: a prompt of that many random tokens, then
     /// decode at that depth.
     #[arg(
@@ -40,6 +44,10 @@ pub struct BenchArgs {
     /// Tokens to decode after each prompt.
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
+    /// Sequences run together: each step is one batched forward over all of them (their
+    /// prompt chunks, then one token each); tokens/s count every sequence's tokens.
+    #[arg(long, default_value_t = 1)]
+    pub sequences: usize,
     /// Prompt tokens per forward pass, as the server's scheduler feeds them.
     #[arg(long, default_value_t = kvq_engine::EngineConfig::default().prefill_chunk)]
     pub prefill_chunk: usize,
@@ -128,6 +136,12 @@ pub struct BenchRow {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub threads: usize,
+    /// Sequences decoded together in each batched forward.
+    #[serde(default = "one")]
+    pub sequences: usize,
+    /// Where it ran (`cpu`, `cuda:0`).
+    #[serde(default = "cpu")]
+    pub device: String,
     /// Prompt tokens per prefill forward pass (0: unknown, rows from before chunking).
     #[serde(default)]
     pub prefill_chunk: usize,
@@ -168,6 +182,14 @@ pub struct BenchRow {
     pub child_wall_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llama_cpp: Option<LlamaCpp>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn cpu() -> String {
+    "cpu".into()
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -236,6 +258,10 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
         "--prefill-chunk must be at least 1"
     );
     ensure!(args.repeats >= 1, "--repeats must be at least 1");
+    ensure!(
+        (1..=256).contains(&args.sequences),
+        "--sequences must be between 1 and 256"
+    );
     Ok(())
 }
 
@@ -277,11 +303,14 @@ async fn measure_all(
     path: PathBuf,
     methods: Vec<ResolvedCache>,
 ) -> anyhow::Result<Vec<BenchRow>> {
-    let loaded = load_with_progress(path).await?;
+    let loaded = load_with_progress(path, args.device).await?;
     let rss_loaded = memory::rss_bytes();
     check_context(args, loaded.model.config().context_length)?;
     let model_id = loaded.info.id.clone();
+    let device = super::device::describe(loaded.model.device());
     let plan = Plan {
+        sequences: args.sequences,
+        device,
         prompt_tokens: args.prompt_tokens.clone(),
         gen_tokens: args.gen_tokens,
         prefill_chunk: args.prefill_chunk,
@@ -316,6 +345,8 @@ async fn measure_all(
 }
 
 struct Plan {
+    sequences: usize,
+    device: String,
     prompt_tokens: Vec<usize>,
     gen_tokens: usize,
     prefill_chunk: usize,
@@ -327,12 +358,12 @@ struct Plan {
     rss_loaded: Option<u64>,
 }
 
-/// Times of one chunked prefill of `n` random tokens and `g` greedy decode steps on fresh caches,
-/// and those caches.
+/// Times of one chunked prefill of `n` random tokens and `g` greedy decode steps on fresh caches
+/// of `sequences` sequences batched together, and those caches.
 struct Run {
     prefill_s: f64,
     decode_s: f64,
-    caches: LayerCaches,
+    caches: Vec<LayerCaches>,
 }
 
 fn run_once(
@@ -341,26 +372,38 @@ fn run_once(
     prompt: &[u32],
     chunk: usize,
     g: usize,
+    sequences: usize,
 ) -> anyhow::Result<Run> {
-    let mut caches = model.new_caches(cache.factory.as_ref())?;
+    let mut caches = (0..sequences)
+        .map(|_| model.new_caches(cache.factory.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
     let t0 = Instant::now();
     let mut logits = Vec::new();
     for piece in prompt.chunks(chunk.max(1)) {
-        logits = model.forward(&mut [SeqStep {
-            tokens: piece,
-            cache: &mut caches,
-            all_logits: false,
-        }])?;
+        let mut steps: Vec<SeqStep<'_>> = caches
+            .iter_mut()
+            .map(|c| SeqStep {
+                tokens: piece,
+                cache: c,
+                all_logits: false,
+            })
+            .collect();
+        logits = model.forward(&mut steps)?;
     }
-    let prefill_s = t0.elapsed().as_secs_f64();
     let mut next = greedy(&logits)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for _ in 0..g {
-        let logits = model.forward(&mut [SeqStep {
-            tokens: &[next],
-            cache: &mut caches,
-            all_logits: false,
-        }])?;
+        let mut steps: Vec<SeqStep<'_>> = caches
+            .iter_mut()
+            .zip(&next)
+            .map(|(c, t)| SeqStep {
+                tokens: std::slice::from_ref(t),
+                cache: c,
+                all_logits: false,
+            })
+            .collect();
+        let logits = model.forward(&mut steps)?;
         next = greedy(&logits)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
@@ -371,20 +414,21 @@ fn run_once(
     })
 }
 
-/// The most likely next token of the only sequence.
-fn greedy(logits: &[candle_core::Tensor]) -> anyhow::Result<u32> {
-    let row = logits
-        .first()
-        .context("the model returned no logits")?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let best = row
+/// The most likely next token of each sequence (the pick reads the logits back, so the timings
+/// include every step's device work).
+fn greedy(logits: &[candle_core::Tensor]) -> anyhow::Result<Vec<u32>> {
+    anyhow::ensure!(!logits.is_empty(), "the model returned no logits");
+    logits
         .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .context("empty logits")?;
-    Ok(best)
+        .map(|l| {
+            let row = l.flatten_all()?.to_vec1::<f32>()?;
+            row.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32)
+                .context("empty logits")
+        })
+        .collect()
 }
 
 fn measure(
@@ -408,6 +452,7 @@ fn measure(
             head,
             plan.prefill_chunk,
             plan.gen_tokens.min(4),
+            plan.sequences,
         )?;
     }
     let mut pp = Vec::with_capacity(plan.repeats);
@@ -416,7 +461,14 @@ fn measure(
     for i in 0..plan.repeats {
         // The previous run's caches go first, so two never coexist (peak RSS).
         drop(last.take());
-        let r = run_once(model, cache, &prompt, plan.prefill_chunk, plan.gen_tokens)?;
+        let r = run_once(
+            model,
+            cache,
+            &prompt,
+            plan.prefill_chunk,
+            plan.gen_tokens,
+            plan.sequences,
+        )?;
         if n >= 2048 {
             eprintln!(
                 "  {} ctx={n} run {}/{}: prefill {:.1} s, decode of {} tokens {:.1} s",
@@ -428,8 +480,9 @@ fn measure(
                 r.decode_s
             );
         }
-        pp.push(n as f64 / r.prefill_s);
-        tg.push(plan.gen_tokens as f64 / r.decode_s);
+        let seqs = plan.sequences as f64;
+        pp.push(seqs * n as f64 / r.prefill_s);
+        tg.push(seqs * plan.gen_tokens as f64 / r.decode_s);
         last = Some(r);
     }
     let last = last.context("no timed run")?;
@@ -444,12 +497,14 @@ fn measure(
         prompt_tokens: n,
         gen_tokens: plan.gen_tokens,
         threads: candle_core::utils::get_num_threads(),
+        sequences: plan.sequences,
+        device: plan.device.clone(),
         prefill_chunk: plan.prefill_chunk,
         pp_tps: Stats::new(pp).context("no prefill timing")?,
         tg_tps: Stats::new(tg).context("no decode timing")?,
         tg_vs_fp16: None,
-        kv_resident_bytes: last.caches.resident_bytes(),
-        kv_tokens: last.caches.len(),
+        kv_resident_bytes: last.caches.iter().map(LayerCaches::resident_bytes).sum(),
+        kv_tokens: last.caches.iter().map(LayerCaches::len).sum(),
         kv_bytes_per_token: 0.0,
         kv_vs_fp16: None,
         rss_loaded_bytes: plan.rss_loaded,

@@ -15,7 +15,7 @@ pub(super) const BASELINE: &str = "fp16";
 pub(super) fn derive(rows: &mut [BenchRow]) {
     for r in rows.iter_mut() {
         if r.kv_tokens == 0 {
-            r.kv_tokens = r.prompt_tokens + r.gen_tokens;
+            r.kv_tokens = r.sequences.max(1) * (r.prompt_tokens + r.gen_tokens);
         }
         r.kv_bytes_per_token = r.kv_resident_bytes as f64 / r.kv_tokens.max(1) as f64;
     }
@@ -23,6 +23,8 @@ pub(super) fn derive(rows: &mut [BenchRow]) {
         a.engine == b.engine
             && a.model == b.model
             && a.threads == b.threads
+            && a.sequences == b.sequences
+            && a.device == b.device
             && a.prompt_tokens == b.prompt_tokens
             && a.gen_tokens == b.gen_tokens
     };

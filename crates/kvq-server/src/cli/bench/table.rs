@@ -101,7 +101,14 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
     let mut table = Table::new();
     table.load_style(ASCII_MARKDOWN).set_header(header);
     for r in rows {
-        let mut cells = vec![Cell::new(&r.method)];
+        let mut label = r.method.clone();
+        if r.sequences > 1 {
+            label += &format!(" x{}", r.sequences);
+        }
+        if r.device != "cpu" {
+            label += &format!(" ({})", r.device);
+        }
+        let mut cells = vec![Cell::new(label)];
         if many_threads {
             cells.push(Cell::new(r.threads));
         }

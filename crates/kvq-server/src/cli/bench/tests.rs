@@ -16,6 +16,8 @@ fn row(n: usize, threads: usize, pp: &[f64], tg: &[f64]) -> BenchRow {
         prompt_tokens: n,
         gen_tokens: 128,
         threads,
+        sequences: 1,
+        device: "cpu".into(),
         prefill_chunk: 512,
         pp_tps: Stats::new(pp.to_vec()).unwrap(),
         tg_tps: Stats::new(tg.to_vec()).unwrap(),

@@ -29,6 +29,10 @@ pub struct EvalArgs {
     /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
+    /// this binary has it and a GPU answers, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: crate::cli::device::DeviceArg,
     /// The text to score (UTF-8), tokenized whole once.
     #[arg(long, required_unless_present = "replot")]
     pub text: Option<PathBuf>,
@@ -177,7 +181,7 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
         Some(_) => Some(super::bench::plot::find_font(args.plot_font.as_deref())?),
         None => None,
     };
-    let loaded = load_with_progress(path).await?;
+    let loaded = load_with_progress(path, args.device).await?;
     let ctx = args.ctx;
     let model_ctx = loaded.model.config().context_length;
     ensure!(

@@ -1,0 +1,128 @@
+//! The dense caches on a GPU: keys and values in two growing device buffers
+//! (`[kv heads, capacity, d]` of the cache's dtype), written in place. Decode (a few query
+//! rows) over fp16 runs the fused CUDA decode attention (online softmax, split over the
+//! sequence, no score matrix); prompt chunks run batched matmuls with a causal mask, in slices of
+//! query rows that bound the score matrix.
+
+use super::{Element, causal_mask};
+use crate::Result;
+use crate::attention::window_start;
+use crate::rowbuf::{GROW_TOKENS, RowBuf};
+use crate::traits::CacheGeometry;
+use candle_core::{DType, Tensor};
+
+/// Bytes a prompt chunk's scores may take at once (`[heads, rows, positions]` f32).
+const SCORE_BYTES: usize = 64 << 20;
+
+/// Keys and values of a dense cache on the device.
+pub(super) struct DeviceRows {
+    k: RowBuf,
+    v: RowBuf,
+}
+
+impl DeviceRows {
+    pub(super) fn new<E: Element>(geom: &CacheGeometry) -> Self {
+        let row = |_| RowBuf::new(geom.n_kv_heads, geom.head_dim, E::DTYPE, GROW_TOKENS);
+        Self {
+            k: row(()),
+            v: row(()),
+        }
+    }
+
+    /// Writes `k`, `v` (`[kv heads, t, d]`) at positions `len..`; rows before `keep_from` may go.
+    pub(super) fn append<E: Element>(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        len: usize,
+        keep_from: usize,
+    ) -> Result<()> {
+        self.k.write(&k.to_dtype(E::DTYPE)?, len, keep_from)?;
+        self.v.write(&v.to_dtype(E::DTYPE)?, len, keep_from)?;
+        Ok(())
+    }
+
+    /// The first position still held.
+    pub(super) fn first(&self) -> usize {
+        self.k.first
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.k.bytes() + self.v.bytes()
+    }
+
+    /// Causal attention of the last `t` of `len` positions' queries `q` (`[heads, t, d]` f32).
+    pub(super) fn attend(
+        &self,
+        geom: &CacheGeometry,
+        q: &Tensor,
+        len: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (nh, t, d) = q.dims3()?;
+        #[cfg(feature = "cuda")]
+        if t <= super::DECODE_MAX_ROWS
+            && self.k.dtype() == DType::F16
+            && q.device().is_cuda()
+            && [64, 128, 256].contains(&d)
+        {
+            return self.decode_cuda(geom, q, len, scale);
+        }
+        let kvh = geom.n_kv_heads;
+        let group = nh / kvh;
+        let from = window_start(len - t, geom.sliding_window).max(self.first());
+        let (Some(k), Some(v)) = (self.k.range(from, len)?, self.v.range(from, len)?) else {
+            return Err(crate::CacheError::Shape("attend before any append".into()));
+        };
+        let (k, v) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+        let n = len - from;
+        let mask = causal_mask(t, len, from, geom.sliding_window, q.device())?;
+        let step = (SCORE_BYTES / (4 * nh * n.max(1))).clamp(1, t);
+        let mut outs = Vec::with_capacity(t.div_ceil(step));
+        for r0 in (0..t).step_by(step) {
+            let rows = step.min(t - r0);
+            let qs = q.narrow(1, r0, rows)?.reshape((kvh, group * rows, d))?;
+            let s = (qs.matmul(&k.t()?)? * f64::from(scale))?
+                .reshape((kvh, group, rows, n))?
+                .broadcast_add(&mask.narrow(0, r0, rows)?)?;
+            let pr = candle_nn::ops::softmax_last_dim(&s)?;
+            let o = pr.reshape((kvh, group * rows, n))?.matmul(&v)?;
+            outs.push(o.reshape((nh, rows, d))?);
+        }
+        Ok(Tensor::cat(&outs, 1)?)
+    }
+
+    /// The fused fp16 decode kernel: each query row at position `pos` reads positions
+    /// `[window start, pos]`, which the kernel's ranges give for a row placed at `pos + 1`
+    /// with a window of one (every row before it "compressed") and a sliding window one longer.
+    #[cfg(feature = "cuda")]
+    fn decode_cuda(
+        &self,
+        geom: &CacheGeometry,
+        q: &Tensor,
+        len: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (nh, t, d) = q.dims3()?;
+        let (Some(k), Some(v)) = (self.k.view(len)?, self.v.view(len)?) else {
+            return Err(crate::CacheError::Shape("attend before any append".into()));
+        };
+        let p = kvq_kernels::AttendParams {
+            scale,
+            first_pos: len - t + 1,
+            window: 1,
+            sinks: 0,
+            sliding_window: geom.sliding_window.map(|w| w + 1),
+            code_first: self.first(),
+            exact_before: 0,
+        };
+        let out = kvq_kernels::cuda::ops::dense_decode_attend(
+            p,
+            &q.unsqueeze(0)?,
+            &k.unsqueeze(0)?,
+            &v.unsqueeze(0)?,
+            true,
+        )?;
+        Ok(out.narrow(3, 0, d)?.reshape((nh, t, d))?)
+    }
+}
