@@ -103,6 +103,13 @@ impl Embedding {
     }
 }
 
+/// `KVQ_GPU_WEIGHTS=f16`: a GGUF's projections on a GPU are held dequantized to f16 and run
+/// as f16 GEMMs instead of candle's quantized kernels (which quantize the activations to 8 bits:
+/// 1-3% error per projection on SmolLM2, against 0.5% between the CPU's own two paths).
+fn gpu_weights_f16() -> bool {
+    std::env::var("KVQ_GPU_WEIGHTS").is_ok_and(|v| v.eq_ignore_ascii_case("f16"))
+}
+
 /// Tensors by their GGUF names (`token_embd.weight`, `blk.3.attn_q.weight`, ...).
 pub trait WeightSource {
     /// True when the tensor exists.
@@ -165,7 +172,12 @@ impl WeightSource for GgufWeights {
     }
 
     fn linear(&mut self, prefix: &str) -> Result<Linear> {
-        let w = QMatMul::from_qtensor(self.qtensor(&format!("{prefix}.weight"))?)?;
+        let q = self.qtensor(&format!("{prefix}.weight"))?;
+        let w = match gpu_weights_f16() && !self.device.is_cpu() {
+            // Four times the memory of 4-bit weights, no activation quantization.
+            true => QMatMul::TensorF16(q.dequantize_f16(&self.device)?),
+            false => QMatMul::from_qtensor(q)?,
+        };
         let bias = format!("{prefix}.bias");
         let b = if self.contains(&bias) {
             Some(self.dense(&bias)?)
