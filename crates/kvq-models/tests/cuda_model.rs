@@ -135,6 +135,66 @@ fn pieces_and_logits_match_the_cpu() {
             errs.push(("decode logits", e));
         }
     }
+    // Greedy decoding of the e2e prompt (scripts/gpu-suite e2e) with the fp16 cache, CPU against
+    // CUDA with f16 weights: the first position where the picks differ, with both sides' two
+    // best logits there (a near-tie or not).
+    let prompt = mc
+        .tokenizer
+        .encode("The history of the printing press begins", true)
+        .expect("tokens");
+    let f = reg
+        .resolve(&CacheSpec {
+            method: Some("fp16".into()),
+            bits: None,
+        })
+        .expect("fp16");
+    let mut cc = mc.model.new_caches(f.factory.as_ref()).expect("caches");
+    let mut cg = dequantized
+        .model
+        .new_caches(f.factory.as_ref())
+        .expect("caches");
+    let top2 = |l: &Tensor| -> Vec<(u32, f32)> {
+        let v = l
+            .to_device(&Device::Cpu)
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .expect("logits");
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+        idx[..2].iter().map(|&i| (i as u32, v[i])).collect()
+    };
+    let (mut next_c, mut next_g) = (prompt.clone(), prompt.clone());
+    for i in 0..32 {
+        let fwd = |m: &kvq_models::model::Model, c: &mut kvq_cache::LayerCaches, t: &[u32]| {
+            m.forward(&mut [SeqStep {
+                tokens: t,
+                cache: c,
+                all_logits: false,
+            }])
+            .expect("forward")
+            .remove(0)
+        };
+        let (a, b) = (
+            top2(&fwd(&mc.model, &mut cc, &next_c)),
+            top2(&fwd(&dequantized.model, &mut cg, &next_g)),
+        );
+        let text = |id: u32| mc.tokenizer.decode(&[id], false).unwrap_or_default();
+        if a[0].0 != b[0].0 {
+            eprintln!(
+                "greedy, fp16 cache: token {i} differs: cpu {:?} {:.3} (next {:?} {:.3}), \
+                 cuda f16 weights {:?} {:.3} (next {:?} {:.3})",
+                text(a[0].0),
+                a[0].1,
+                text(a[1].0),
+                a[1].1,
+                text(b[0].0),
+                b[0].1,
+                text(b[1].0),
+                b[1].1
+            );
+            break;
+        }
+        (next_c, next_g) = (vec![a[0].0], vec![b[0].0]);
+    }
     // The quantized kernels' error is reported above; the caches and the f16 path must agree.
     for (what, e) in errs {
         let bound = match what {
