@@ -203,14 +203,16 @@ fn main() -> R<()> {
             .cloned()
     };
     let quick = args.iter().any(|a| a == "--quick");
-    // `--only SHAPE:BATCH:POSITIONS:METHOD` (any part may be `*`): one configuration, for a
-    // profiler.
+    // `--only SHAPE:BATCH:POSITIONS:METHOD[,...]` (any part may be `*`): the configurations
+    // matching one of the patterns (one, for a profiler).
     let only = arg("--only");
     let wanted = |shape: &str, b: usize, n: usize, method: &str| {
         only.as_deref().is_none_or(|o| {
-            let f: Vec<&str> = o.split(':').collect();
-            let ok = |i: usize, v: &str| f.get(i).is_none_or(|x| *x == "*" || *x == v);
-            ok(0, shape) && ok(1, &b.to_string()) && ok(2, &n.to_string()) && ok(3, method)
+            o.split(',').any(|pat| {
+                let f: Vec<&str> = pat.split(':').collect();
+                let ok = |i: usize, v: &str| f.get(i).is_none_or(|x| *x == "*" || *x == v);
+                ok(0, shape) && ok(1, &b.to_string()) && ok(2, &n.to_string()) && ok(3, method)
+            })
         })
     };
     let out = std::path::PathBuf::from(arg("--out").unwrap_or_else(|| "gpu-results".into()));

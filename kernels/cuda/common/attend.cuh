@@ -138,9 +138,10 @@ __device__ inline void cp_async_wait() {
 // `head`) into `dst`. Returns the offset of row row0 in `dst`; row t then sits at
 // offset + t * stride. Modes (chosen on the host, see cuda/attend.rs):
 //   stride != cb: rows re-laid at `stride` in 16-byte pieces (cb and stride multiples of 16);
-//   stride == cb, aligned: the tile's bytes copied as they are, from the 16-byte boundary below
-//     row0, the last partial 16 bytes by plain loads (never past the last row);
-//   unaligned heads: plain byte loads (`aligned` false).
+//   stride == cb (code rows, any alignment): the tile's bytes copied as they are, from the
+//     16-byte boundary at or below row0's address, the last partial 16 bytes by plain loads
+//     (never past the last row);
+//   unaligned fp16 heads: plain byte loads (`aligned` false; the host refuses them).
 __device__ inline int load_tile(uint8_t* dst, int stride, const uint8_t* head, int cb,
                                 long long row0, int n, bool aligned) {
   const int tid = threadIdx.x;
@@ -161,10 +162,15 @@ __device__ inline int load_tile(uint8_t* dst, int stride, const uint8_t* head, i
     }
     return 0;
   }
-  const long long b0 = row0 * cb, b1 = (row0 + n) * cb;
-  const long long a0 = b0 & ~15ll, a1 = b1 & ~15ll;
-  for (long long x = a0 + 16 * tid; x < a1; x += 16 * KVQ_THREADS) cp_async16(dst + (x - a0), head + x);
-  for (long long x = max(a1, a0) + tid; x < b1; x += KVQ_THREADS) dst[x - a0] = __ldg(head + x);
+  // From the 16-byte boundary at or below the first row's address (inside the allocation,
+  // which starts 256-byte aligned), whatever the head's own alignment.
+  const unsigned long long b0 = reinterpret_cast<unsigned long long>(head) + row0 * cb;
+  const unsigned long long b1 = b0 + (unsigned long long)n * cb;
+  const unsigned long long a0 = b0 & ~15ull, a1 = b1 & ~15ull;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(a0);
+  for (unsigned long long x = 16 * tid; a0 + x < a1; x += 16 * KVQ_THREADS) cp_async16(dst + x, base + x);
+  for (unsigned long long x = (a1 > a0 ? a1 : a0) + tid; x < b1; x += KVQ_THREADS)
+    dst[x - a0] = __ldg(reinterpret_cast<const uint8_t*>(x));
   return (int)(b0 - a0);
 }
 

@@ -11,15 +11,14 @@ use super::{
 };
 use crate::attend::AttendParams;
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::{Result, bail};
-use std::sync::Arc;
 
 /// Threads per attend block and most rows per tile (kernels/cuda/common/attend.cuh).
 const THREADS: usize = 128;
 const TILE: usize = 64;
+/// Copy stages per warp of the tensor-core kernels (`KVQ_MMA_STAGES`).
+const MMA_STAGES: usize = 3;
 /// Shared memory per block under which four blocks share a multiprocessor (latency hiding).
 const SMEM_TARGET: usize = 56 * 1024;
 
@@ -142,6 +141,72 @@ struct Plan {
     kstride: usize,
     vstride: usize,
     aligned: bool,
+    /// A tensor-core kernel: takes the exact rows' arguments too (`xa`, `extra`), and runs
+    /// them as the last block of each row when `extra` is set.
+    mma: bool,
+}
+
+/// Whether the tensor-core kernels may run (`KVQ_CUDA_MMA=0` selects the CUDA-core ones, for
+/// comparisons).
+fn mma_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVQ_CUDA_MMA").map_or(true, |v| v != "0"))
+}
+
+/// Shared-memory bytes of the tensor-core scalar kernel (turboquant_mse/mma.cuh
+/// `scalar_mma_smem`): rotated queries, level tables, per-warp softmax state, the sketch's and
+/// the query's fragments, then three stages of 16 key and value rows per warp (or, after the loop, the
+/// warps' outputs).
+fn scalar_mma_smem(d: usize, kcb: usize, vcb: usize) -> usize {
+    let nw = THREADS / 32;
+    let stage = |cb: usize| (16 * cb + 32).div_ceil(16) * 16;
+    let head = 8 * d * 4 + 512 + 2 * nw * 8 * 4 + d / 16 * 32 * 16 + 32 * (d / 16 + 1) * 16;
+    let merge = nw * 8 * (d + d / 16 + 1) * 4;
+    head + (nw * MMA_STAGES * (stage(kcb) + stage(vcb))).max(merge)
+}
+
+/// The tensor-core kernel for scalar-codebook keys (TurboQuant-MSE, -RVQ; with the residual's
+/// sign sketch, -Prod) and values, for the bit widths it is instantiated for: up to 8 query
+/// heads per block, tiles of 16 rows per warp.
+fn scalar_mma_plan(l: &AttendLaunch, k: &CodeView, v: &CodeView, aligned: bool) -> Option<Plan> {
+    let (module, name) = match (&l.keys, &l.values) {
+        (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp))
+            if kp.bits == vp.bits && (1..=6).contains(&kp.bits) =>
+        {
+            let name = format!("kvq_attend_scalar_mma_d{}_b{}", l.d, kp.bits);
+            ("turboquant_mse_attend", name)
+        }
+        (KeyArgs::Prod(kp), ValueArgs::Scalar(vp))
+            if (1..=4).contains(&kp.scalar.bits)
+                && (vp.bits == kp.scalar.bits || vp.bits == kp.scalar.bits + 1)
+                && kp.sketch.m as usize == l.d =>
+        {
+            let name = format!(
+                "kvq_attend_prod_mma_d{}_k{}_v{}",
+                l.d, kp.scalar.bits, vp.bits
+            );
+            ("turboquant_prod_attend", name)
+        }
+        _ => return None,
+    };
+    if !mma_enabled() {
+        return None;
+    }
+    let group = l.n_heads / l.n_kv_heads;
+    let gb = group.min(8);
+    let smem = scalar_mma_smem(l.d, k.row_bytes, v.row_bytes);
+    (smem <= super::MAX_SMEM).then(|| Plan {
+        module,
+        name,
+        gb,
+        tile: TILE,
+        smem,
+        hchunks: group.div_ceil(gb),
+        kstride: k.row_bytes,
+        vstride: v.row_bytes,
+        aligned,
+        mma: true,
+    })
 }
 
 fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Result<Plan> {
@@ -149,9 +214,15 @@ fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Result<Plan> {
     let (module, stem, wide) = family(&l.keys, &l.values)?;
     // Tiles are copied asynchronously when every head starts 16-byte aligned; rows read 16
     // bytes at a time (fp16) are re-laid at a padded stride, code rows kept as they are.
-    let aligned = [k, v]
-        .iter()
-        .all(|c| c.addr % 16 == 0 && c.h_stride % 16 == 0 && c.b_stride % 16 == 0);
+    // Code rows are copied from the 16-byte boundary below each tile, whatever the heads'
+    // alignment; fp16 rows are re-laid 16 bytes at a time and need aligned heads.
+    let aligned = !wide
+        || [k, v]
+            .iter()
+            .all(|c| c.addr % 16 == 0 && c.h_stride % 16 == 0 && c.b_stride % 16 == 0);
+    if let Some(p) = scalar_mma_plan(l, k, v, aligned) {
+        return Ok(p);
+    }
     if wide && !(aligned && k.row_bytes.is_multiple_of(16) && v.row_bytes.is_multiple_of(16)) {
         bail!("cuda: fp16 rows must be 16-byte aligned")
     }
@@ -195,25 +266,31 @@ fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Result<Plan> {
         kstride,
         vstride,
         aligned,
+        mma: false,
     })
 }
 
-/// Launches one attend kernel over `n_splits` splits of `split_rows` rows, writing slots
-/// `split_base..` of the `slots` per row of `part`.
-#[allow(clippy::too_many_arguments)]
-fn run_plan(
-    dev: &CudaDevice,
+/// Where one launch's splits go: splits of `split_rows` rows, written to slots `split_base..`
+/// of the `slots` per row of `part`.
+#[derive(Debug, Clone, Copy)]
+struct Splits {
+    split_rows: usize,
+    split_base: usize,
+    slots: usize,
+    part: u64,
+}
+
+/// The kernels' argument struct for one plan over the views `k`, `v`.
+fn attend_args(
     l: &AttendLaunch,
     pl: &Plan,
     q: QueryView,
     k: &CodeView,
     v: &CodeView,
-    keys: &KeyArgs,
-    (n_splits, split_rows, split_base, slots): (usize, usize, usize, usize),
-    part: u64,
-) -> Result<()> {
+    sp: Splits,
+) -> AttendArgs {
     let group = l.n_heads / l.n_kv_heads;
-    let a = AttendArgs {
+    AttendArgs {
         q: q.addr,
         q_bstride: q.b_stride,
         q_hstride: q.h_stride,
@@ -240,20 +317,33 @@ fn run_plan(
         code_first: l.p.code_first as i64,
         exact_before: i64::try_from(l.p.exact_before).unwrap_or(i64::MAX),
         n_rows: k.rows.min(v.rows) as i64,
-        split_rows: split_rows as i32,
-        n_splits: slots as i32,
+        split_rows: sp.split_rows as i32,
+        n_splits: sp.slots as i32,
         kstride: pl.kstride as i32,
         vstride: pl.vstride as i32,
         aligned: i32::from(pl.aligned),
         tile: pl.tile as i32,
-        split_base: split_base as i32,
-        part,
-    };
+        split_base: sp.split_base as i32,
+        part: sp.part,
+    }
+}
+
+/// Launches one attend kernel over `sp.n_splits` splits; a tensor-core plan given `extra`
+/// (the exact rows' arguments) runs them as one more block per row.
+fn run_plan(
+    dev: &CudaDevice,
+    l: &AttendLaunch,
+    pl: &Plan,
+    a: &AttendArgs,
+    keys: &KeyArgs,
+    n_splits: usize,
+    extra: Option<&AttendArgs>,
+) -> Result<()> {
     let stream = dev.cuda_stream();
     let f = super::function_smem(dev, pl.module, &pl.name, pl.smem)?;
     let cfg = LaunchConfig {
         grid_dim: (
-            n_splits as u32,
+            (n_splits + usize::from(extra.is_some())) as u32,
             (l.n_kv_heads * pl.hchunks) as u32,
             (l.batch * l.t) as u32,
         ),
@@ -261,14 +351,25 @@ fn run_plan(
         shared_mem_bytes: pl.smem as u32,
     };
     let name = &pl.name;
+    let mut b = stream.launch_builder(&f);
+    b.arg(a);
     match (keys, &l.values) {
-        (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp)) => run(&stream, &f, cfg, &a, kp, vp, name),
-        (KeyArgs::Prod(kp), ValueArgs::Scalar(vp)) => run(&stream, &f, cfg, &a, kp, vp, name),
-        (KeyArgs::Sketch(kp), ValueArgs::Group(vp)) => run(&stream, &f, cfg, &a, kp, vp, name),
-        (KeyArgs::Vq(kp), ValueArgs::Vq(vp)) => run(&stream, &f, cfg, &a, kp, vp, name),
-        (KeyArgs::Dense(kp), ValueArgs::Dense(vp)) => run(&stream, &f, cfg, &a, kp, vp, name),
+        (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Prod(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Sketch(kp), ValueArgs::Group(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Vq(kp), ValueArgs::Vq(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Dense(kp), ValueArgs::Dense(vp)) => b.arg(kp).arg(vp),
         _ => bail!("cuda: no fused attention kernel for this key / value pair"),
+    };
+    let flag = i32::from(extra.is_some());
+    if pl.mma {
+        b.arg(extra.unwrap_or(a));
+        b.arg(&flag);
     }
+    // SAFETY: the arguments are the kernel's structs, by value, in its parameter order; their
+    // addresses point into allocations that outlive the launch.
+    drv(unsafe { b.launch(cfg) }, name)?;
+    check_launch(&stream, name)
 }
 
 /// Every query row's sketch projection `sqrt(pi/2)/m S q`, once before the attention (sketch
@@ -386,56 +487,61 @@ pub fn launch(
     let part_addr = super::address(&part, &stream, 0);
     let mut keys = l.keys;
     let _proj = project(dev, l, pl.module, q, &mut keys)?;
-    run_plan(
-        dev,
-        l,
-        &pl,
-        q,
-        &k,
-        &v,
-        &keys,
-        (n_splits, split_rows, 0, slots),
-        part_addr,
-    )?;
-    if let Some(x) = extra {
-        // The sinks and the recent window: the fp16 kernel over rows [0, n) of `extra`.
-        let dense = DenseParams { unused: 0 };
-        let xl = AttendLaunch {
-            keys: KeyArgs::Dense(dense),
-            values: ValueArgs::Dense(dense),
-            p: AttendParams {
-                first_pos: x.n,
-                window: 1,
-                sinks: 0,
-                sliding_window: None,
-                code_first: 0,
-                exact_before: 0,
-                ..l.p
-            },
-            ..*l
-        };
-        let row = 2 * d;
-        let view = |addr| CodeView {
-            addr,
-            b_stride: (l.n_kv_heads * x.n * row) as i64,
-            h_stride: (x.n * row) as i64,
-            row_bytes: row,
-            rows: x.n,
-        };
-        let (xk, xv) = (view(x.keys), view(x.values));
-        let xp = plan(&xl, &xk, &xv)?;
-        let rows = x.n.div_ceil(xp.tile).max(1) * xp.tile;
-        run_plan(
-            dev,
-            &xl,
-            &xp,
-            q,
-            &xk,
-            &xv,
-            &xl.keys,
-            (1, rows, n_splits, slots),
-            part_addr,
-        )?;
+    let sp = Splits {
+        split_rows,
+        split_base: 0,
+        slots,
+        part: part_addr,
+    };
+    let a = attend_args(l, &pl, q, &k, &v, sp);
+    match extra {
+        None => run_plan(dev, l, &pl, &a, &keys, n_splits, None)?,
+        Some(x) => {
+            // The sinks and the recent window: the fp16 kernel over rows [0, n) of `extra`, as
+            // one more split (in the same launch for a tensor-core plan).
+            let dense = DenseParams { unused: 0 };
+            let xl = AttendLaunch {
+                keys: KeyArgs::Dense(dense),
+                values: ValueArgs::Dense(dense),
+                p: AttendParams {
+                    first_pos: x.n,
+                    window: 1,
+                    sinks: 0,
+                    sliding_window: None,
+                    code_first: 0,
+                    exact_before: 0,
+                    ..l.p
+                },
+                ..*l
+            };
+            let row = 2 * d;
+            let view = |addr| CodeView {
+                addr,
+                b_stride: (l.n_kv_heads * x.n * row) as i64,
+                h_stride: (x.n * row) as i64,
+                row_bytes: row,
+                rows: x.n,
+            };
+            let (xk, xv) = (view(x.keys), view(x.values));
+            let xp = plan(&xl, &xk, &xv)?;
+            let rows = x.n.div_ceil(xp.tile).max(1) * xp.tile;
+            let xs = Splits {
+                split_rows: rows,
+                split_base: n_splits,
+                ..sp
+            };
+            // In the same launch: the tensor-core kernel reads the rows straight from global
+            // memory, 16 bytes at a time, and splits heads as the code blocks do.
+            let fused = pl.mma && x.keys % 16 == 0 && x.values % 16 == 0;
+            if fused {
+                let xa = attend_args(&xl, &pl, q, &xk, &xv, xs);
+                run_plan(dev, l, &pl, &a, &keys, n_splits, Some(&xa))?;
+            } else {
+                run_plan(dev, l, &pl, &a, &keys, n_splits, None)?;
+                let xa = attend_args(&xl, &xp, q, &xk, &xv, xs);
+                run_plan(dev, &xl, &xp, &xa, &xl.keys, 1, None)?;
+            }
+        }
     }
     let c = CombineArgs {
         part: part_addr,
@@ -463,24 +569,4 @@ pub fn launch(
     // `part` is freed on drop: the stream orders the free after the combine kernel.
     drop(part);
     Ok(out)
-}
-
-/// Launches `f` with the attend arguments and the two families' parameters.
-fn run<K: DeviceRepr, V: DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    f: &CudaFunction,
-    cfg: LaunchConfig,
-    a: &AttendArgs,
-    kp: &K,
-    vp: &V,
-    name: &str,
-) -> Result<()> {
-    let mut b = stream.launch_builder(f);
-    b.arg(a);
-    b.arg(kp);
-    b.arg(vp);
-    // SAFETY: the arguments are the kernel's structs, by value; their addresses point into
-    // allocations that outlive the launch.
-    drv(unsafe { b.launch(cfg) }, name)?;
-    check_launch(stream, name)
 }
