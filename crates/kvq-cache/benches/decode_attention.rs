@@ -24,15 +24,9 @@ const HEADS: usize = 9;
 const REFILL: usize = 64;
 
 fn floats(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
+    let mut r = kvq_cache::codec::rng::SplitMix::new(seed);
     (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        })
+        .map(|_| (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
         .collect()
 }
 

@@ -63,7 +63,7 @@ fn presets(kvh: usize, d: usize) -> R<Vec<Preset>> {
     let s = 0x7451;
     let mse = |b| -> R<MseCodec> { Ok(MseCodec::new(d, kvh, b, 0, s)?) };
     let rvq = |b| -> R<RvqCodec> { Ok(RvqCodec::new(d, kvh, b, 0, s)?) };
-    let g = |n: usize, seed: u64| kvq_cache::codec::sketch::SplitMix::new(seed).gauss_vec(n);
+    let g = |n: usize, seed: u64| kvq_cache::codec::rng::SplitMix::new(seed).gauss_vec(n);
     let lambda: Vec<f32> = g(kvh * d, 3).iter().map(|x| 0.5 + x.abs()).collect();
     let vq = |sub: usize| -> R<(VqKeyCodec, VqValueCodec)> {
         let n = d / sub * 256 * sub;

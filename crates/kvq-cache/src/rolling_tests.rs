@@ -2,7 +2,7 @@
 //! answers exactly like one that keeps everything (same codes, same ranges), its resident bytes
 //! stop growing at the window, and truncating into released rows is an error, not a panic.
 
-use crate::codec::sketch::SplitMix;
+use crate::codec::rng::SplitMix;
 use crate::compressed::{CodecFactory, CompressedCache};
 use crate::methods::qjl::QjlFactory;
 use crate::methods::turboquant_mse::TurboQuantMseFactory;

@@ -3,7 +3,7 @@
 //! without a sliding window, through prompt chunks, decode steps and a truncation; under a
 //! sliding window it stops growing too. Run on the CPU, so CI checks it without a GPU.
 
-use crate::codec::sketch::SplitMix;
+use crate::codec::rng::SplitMix;
 use crate::rolling_tests::{Mode, every_method};
 use crate::traits::{CacheGeometry, KvCache};
 use candle_core::{Device, Tensor};

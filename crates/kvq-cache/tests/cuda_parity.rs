@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use kvq_cache::codec::sketch::SplitMix;
+use kvq_cache::codec::rng::SplitMix;
 use kvq_cache::compressed::{KeyCodec, ValueCodec};
 use kvq_cache::methods::qjl::{GroupCodec, QjlKeyCodec};
 use kvq_cache::methods::turboquant_mse::MseCodec;

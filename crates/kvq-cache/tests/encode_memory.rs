@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use kvq_cache::CacheGeometry;
-use kvq_cache::codec::sketch::SplitMix;
+use kvq_cache::codec::rng::SplitMix;
 use kvq_cache::compressed::{CodecFactory, KeyCodec};
 use kvq_cache::methods::vecinfer::calibration::VecInferCalibration;
 use kvq_cache::methods::vecinfer::{DEFAULT_SEED, VecInferFactory};

@@ -52,15 +52,9 @@ impl Rotation {
             n.is_power_of_two(),
             "Hadamard dimension must be a power of two"
         );
-        let mut s = seed;
+        let mut r = super::rng::SplitMix::new(seed);
         let signs = (0..n)
-            .map(|_| {
-                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = s;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                if (z ^ (z >> 31)) & 1 == 0 { 1.0 } else { -1.0 }
-            })
+            .map(|_| if r.next_u64() & 1 == 0 { 1.0 } else { -1.0 })
             .collect();
         Self {
             signs,

@@ -4,6 +4,7 @@
 //! subsampling of large inputs. Deterministic given the seed: the parallel assignment writes
 //! per-point results and every reduction runs in a fixed order.
 
+use super::rng::SplitMix;
 use crate::{CacheError, Result};
 use kvq_kernels::NearestCodebook;
 
@@ -45,35 +46,6 @@ pub struct KMeans {
     pub mse: f64,
     /// Lloyd iterations run.
     pub iterations: usize,
-}
-
-/// A splitmix64 stream.
-pub struct SplitMix(u64);
-
-impl SplitMix {
-    /// A stream seeded by `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n` (n >= 1).
-    pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
 }
 
 /// `count` distinct indices of `0..n`, ascending (a partial Fisher-Yates shuffle).
@@ -126,7 +98,7 @@ fn seed_plus_plus(pts: &[f32], dim: usize, k: usize, rng: &mut SplitMix) -> Vec<
             total += *d as f64;
         }
         pick = if total > 0.0 {
-            let mut r = rng.next_f64() * total;
+            let mut r = rng.uniform() * total;
             let mut at = n - 1;
             for (i, &d) in d2.iter().enumerate() {
                 r -= d as f64;
@@ -254,7 +226,7 @@ mod tests {
             let c = &centers[(i % m) * dim..(i % m + 1) * dim];
             out.extend(
                 c.iter()
-                    .map(|&v| v + noise * (2.0 * rng.next_f64() as f32 - 1.0)),
+                    .map(|&v| v + noise * (2.0 * rng.uniform() as f32 - 1.0)),
             );
         }
         out
@@ -263,7 +235,7 @@ mod tests {
     fn centers(m: usize, dim: usize, seed: u64) -> Vec<f32> {
         let mut rng = SplitMix::new(seed);
         (0..m * dim)
-            .map(|_| 20.0 * rng.next_f64() as f32 - 10.0)
+            .map(|_| 20.0 * rng.uniform() as f32 - 10.0)
             .collect()
     }
 

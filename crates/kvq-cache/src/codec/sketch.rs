@@ -9,59 +9,13 @@
 //! once per (seed, m, d) and shared by every cache that uses them (a weak-keyed process table), so
 //! sequences do not each hold megabytes of sketch state.
 
+use super::rng::SplitMix;
 use crate::{CacheError, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// `sqrt(pi / 2)`: the QJL estimator's constant (E|g| = sqrt(2/pi) for g ~ N(0, 1)).
 pub const QJL_CONST: f32 = 1.253_314_1;
-
-/// A splitmix64 stream with Box-Muller Gaussians: small, seeded and the same on every platform.
-#[derive(Debug, Clone)]
-pub struct SplitMix {
-    state: u64,
-    spare: Option<f64>,
-}
-
-impl SplitMix {
-    pub fn new(seed: u64) -> Self {
-        Self {
-            state: seed,
-            spare: None,
-        }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// A standard Gaussian sample.
-    pub fn gauss(&mut self) -> f64 {
-        if let Some(g) = self.spare.take() {
-            return g;
-        }
-        let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
-        let r = (-2.0 * u1.ln()).sqrt();
-        let t = 2.0 * std::f64::consts::PI * u2;
-        self.spare = Some(r * t.sin());
-        r * t.cos()
-    }
-
-    /// `n` standard Gaussian samples as f32.
-    pub fn gauss_vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.gauss() as f32).collect()
-    }
-}
 
 /// A seed for one (layer, head) of a method, mixed so that nearby inputs give unrelated streams.
 pub fn head_seed(seed: u64, layer: usize, head: usize) -> u64 {

@@ -3,7 +3,7 @@
 //! against `kvq_kernels::attend_reference`.
 
 use crate::attention::attention_reference;
-use crate::codec::sketch::SplitMix;
+use crate::codec::rng::SplitMix;
 use crate::compressed::{KeyCodec, ValueCodec};
 use crate::traits::{CacheFactory, CacheGeometry};
 use candle_core::{Device, Tensor};

@@ -125,7 +125,7 @@ impl VecInferCalibration {
     /// inputs) and unit smoothing for sub_dims 4 and 8: a real calibration's shapes and costs with
     /// none of its quality, to time the kernels without a model (benches).
     pub fn random(n_layers: usize, n_kv_heads: usize, head_dim: usize, seed: u64) -> Self {
-        let mut rng = crate::codec::sketch::SplitMix::new(seed);
+        let mut rng = crate::codec::rng::SplitMix::new(seed);
         let sub_dims = vec![4, 8];
         let layers = (0..n_layers)
             .map(|_| LayerCalibration {

@@ -25,10 +25,10 @@ const D: usize = 64;
 const LAYERS: usize = 2;
 
 fn gauss(n: usize, seed: u64) -> Vec<f32> {
-    let mut rng = crate::codec::kmeans::SplitMix::new(seed);
+    let mut rng = crate::codec::rng::SplitMix::new(seed);
     (0..n)
         .map(|_| {
-            let (u1, u2) = (rng.next_f64().max(1e-12), rng.next_f64());
+            let (u1, u2) = (rng.uniform().max(1e-12), rng.uniform());
             ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
         })
         .collect()
@@ -209,7 +209,7 @@ proptest! {
     #[test]
     fn pq_codes_round_trip(sub in prop::sample::select(vec![4usize, 8]), head in 0..KVH, layer in 0..LAYERS, seed in any::<u64>()) {
         let (kc, vc) = factory(sub).codecs(layer, &geom(64)).unwrap();
-        let mut rng = crate::codec::kmeans::SplitMix::new(seed);
+        let mut rng = crate::codec::rng::SplitMix::new(seed);
         let code: Vec<u8> = (0..D / sub).map(|_| rng.below(256) as u8).collect();
         let mut x = vec![0f32; D];
         let mut again = vec![0u8; D / sub];
