@@ -2,8 +2,10 @@
 //! (GQA: one pass over a kv head's codes serves up to 8 query heads), the split of the rows over
 //! the sequence (flash-decoding: enough blocks to fill every multiprocessor), the shared memory,
 //! then merges the splits with the combine kernel; the exact fp16 rows (sinks, window), when
-//! given, are one more split computed by the fp16 kernel. Two to four launches per layer and
-//! decode step (sketch projection, codes, fp16 rows, combine), whatever the context length.
+//! given, are one more split: one more block of the same launch for the tensor-core kernels
+//! (TurboQuant MSE/RVQ/Prod), a launch of the fp16 kernel for the others. Two to four launches
+//! per layer and decode step (sketch projection, codes, fp16 rows, combine), whatever the context
+//! length.
 
 use super::{
     AttendArgs, CombineArgs, DenseParams, KeyArgs, ProjectArgs, ValueArgs, check_launch, drv,
@@ -155,8 +157,8 @@ fn mma_enabled() -> bool {
 
 /// Shared-memory bytes of the tensor-core scalar kernel (turboquant_mse/mma.cuh
 /// `scalar_mma_smem`): rotated queries, level tables, per-warp softmax state, the sketch's and
-/// the query's fragments, then three stages of 16 key and value rows per warp (or, after the loop, the
-/// warps' outputs).
+/// the query's fragments, then three stages of 16 key and value rows per warp (or, after the
+/// loop, the warps' outputs).
 fn scalar_mma_smem(d: usize, kcb: usize, vcb: usize) -> usize {
     let nw = THREADS / 32;
     let stage = |cb: usize| (16 * cb + 32).div_ceil(16) * 16;
@@ -212,10 +214,9 @@ fn scalar_mma_plan(l: &AttendLaunch, k: &CodeView, v: &CodeView, aligned: bool) 
 fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Result<Plan> {
     let (d, group) = (l.d, l.n_heads / l.n_kv_heads);
     let (module, stem, wide) = family(&l.keys, &l.values)?;
-    // Tiles are copied asynchronously when every head starts 16-byte aligned; rows read 16
-    // bytes at a time (fp16) are re-laid at a padded stride, code rows kept as they are.
-    // Code rows are copied from the 16-byte boundary below each tile, whatever the heads'
-    // alignment; fp16 rows are re-laid 16 bytes at a time and need aligned heads.
+    // Code rows are copied as they lie, from the 16-byte boundary below each tile, whatever the
+    // heads' alignment; fp16 rows are re-laid at a padded stride 16 bytes at a time and need
+    // aligned heads.
     let aligned = !wide
         || [k, v]
             .iter()
@@ -328,8 +329,8 @@ fn attend_args(
     }
 }
 
-/// Launches one attend kernel over `sp.n_splits` splits; a tensor-core plan given `extra`
-/// (the exact rows' arguments) runs them as one more block per row.
+/// Launches one attend kernel over `n_splits` splits; a tensor-core plan given `extra` (the
+/// exact rows' arguments) runs them as one more block per row.
 fn run_plan(
     dev: &CudaDevice,
     l: &AttendLaunch,
