@@ -3,7 +3,7 @@
 //! and running every cache method on them.
 
 use candle_core::{Device, Tensor};
-use kvq_cache::codec::sketch::SplitMix;
+use kvq_cache::codec::rng::SplitMix;
 use kvq_cache::methods::vecinfer::calibration::{FixedCalibration, VecInferCalibration};
 use kvq_cache::{CacheFactory, CacheRegistry, CacheSpec, LayerCaches};
 use kvq_models::model::{Family, Model, ModelConfig, SafetensorsWeights, SeqStep};
