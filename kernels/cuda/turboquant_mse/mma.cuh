@@ -1,8 +1,9 @@
 // Tensor-core decode attention over scalar-codebook rows (TurboQuant-MSE, -RVQ; kvq-kernels
 // spec.rs ScalarSpec; with SKETCH, TurboQuant-Prod's keys: the scalar stage plus the residual's
-// sign sketch, scored by one more mma per k step): each warp takes chunks of 16
-// code rows of one kv head, dequantizes them to f16 in registers (one shared-memory lookup per
-// coordinate, shared by every query head of the group) and runs Q K^T and P V as m16n8k16 mmas.
+// sign sketch, scored by one more mma per k step): each warp takes chunks of 16 code rows of one
+// kv head, dequantizes them to f16 in registers once for every query head of the group (a
+// shared-memory lookup per coordinate, a byte permute for 4-bit keys, a lookup per pair of
+// coordinates for <= 2-bit codes) and runs Q K^T and P V as m16n8k16 mmas.
 //
 // Scores: S^T (16 x 8 tokens) = Qs (16 x D) K^T. Rows 0-7 of Qs are the rotated query heads in
 // f16, rows 8-15 what f16 rounding left of them, so the two halves of the C tile summed give the
@@ -32,6 +33,7 @@ namespace kvq {
 #ifndef KVQ_MMA_KEY_PRMT
 #define KVQ_MMA_KEY_PRMT 1
 #endif
+// Blocks per multiprocessor the d = 128 kernels are compiled for (4: 128 registers a thread).
 #ifndef KVQ_MMA_MINB128
 #define KVQ_MMA_MINB128 4
 #endif
