@@ -76,11 +76,15 @@ mod tests {
             let u = r.uniform();
             assert!((0.0..1.0).contains(&u));
         }
-        let g = SplitMix::new(3).gauss_vec(20_000);
+    }
+
+    #[test]
+    fn gaussians_have_unit_variance() {
+        let g = SplitMix::new(5).gauss_vec(100_000);
         let mean = g.iter().map(|&x| x as f64).sum::<f64>() / g.len() as f64;
         let var = g.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / g.len() as f64;
         assert!(
-            mean.abs() < 0.03 && (var - 1.0).abs() < 0.05,
+            mean.abs() < 0.01 && (var - 1.0).abs() < 0.02,
             "{mean} {var}"
         );
     }
