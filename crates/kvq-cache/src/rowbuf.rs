@@ -113,6 +113,14 @@ impl RowBuf {
         })
     }
 
+    /// An independent copy (the buffer copied on its device).
+    pub fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            buf: self.buf.as_ref().map(|b| b.copy()).transpose()?,
+            ..*self
+        })
+    }
+
     /// The rows' element type.
     pub fn dtype(&self) -> DType {
         self.dtype

@@ -86,6 +86,9 @@ pub trait KvCache: Send {
     fn truncate(&mut self, n: usize) -> Result<()>;
     /// The method name, as the registry knows it.
     fn method(&self) -> &str;
+    /// An independent copy holding the same positions (its buffers copied on their device):
+    /// a sequence that continues from this one's prefix.
+    fn fork(&self) -> Result<Box<dyn KvCache>>;
 }
 
 /// Builds the per-layer caches of one method with one configuration.
@@ -142,6 +145,18 @@ impl LayerCaches {
             .iter()
             .map(|l| l.resident_split())
             .fold((0, 0), |(a, b), (k, v)| (a + k, b + v))
+    }
+
+    /// An independent copy of every layer (see [`KvCache::fork`]).
+    pub fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.fork())
+                .collect::<Result<_>>()?,
+            method: self.method.clone(),
+        })
     }
 
     /// Truncates every layer to `n` positions.

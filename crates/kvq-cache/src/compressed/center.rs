@@ -20,6 +20,7 @@ use crate::Result;
 pub const CENTER_ROWS: usize = 16;
 
 /// The key center of a cache (see the module docs).
+#[derive(Clone)]
 pub(super) enum Center {
     /// Not fixed yet: codes so far are of raw keys and get re-encoded when it is.
     Pending,

@@ -121,6 +121,14 @@ impl Fp16Rows {
         self.rows[h][i..i + d].convert_to_f32_slice(out);
     }
 
+    fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            rows: self.rows.clone(),
+            first: self.first,
+            dev: self.dev.as_ref().map(RowBuf::fork).transpose()?,
+        })
+    }
+
     fn bytes(&self) -> usize {
         match &self.dev {
             Some(d) => d.bytes(),
@@ -486,5 +494,30 @@ impl KvCache for CompressedCache {
 
     fn method(&self) -> &str {
         &self.method
+    }
+
+    fn fork(&self) -> Result<Box<dyn KvCache>> {
+        Ok(Box::new(Self {
+            geom: self.geom,
+            method: self.method.clone(),
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            window: self.window,
+            sinks: self.sinks,
+            key_codes: self.key_codes.fork()?,
+            val_codes: self.val_codes.fork()?,
+            recent_k: self.recent_k.fork()?,
+            recent_v: self.recent_v.fork()?,
+            sink_k: self.sink_k.fork()?,
+            sink_v: self.sink_v.fork()?,
+            len: self.len,
+            roll: self.roll,
+            center: self.center.clone(),
+            center_share: self.center_share,
+            q_sq: self.q_sq,
+            q_rows: self.q_rows,
+            // Never written in place: sharing it is a copy.
+            mu_dev: self.mu_dev.clone(),
+        }))
     }
 }

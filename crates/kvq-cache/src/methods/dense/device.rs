@@ -4,15 +4,49 @@
 //! sequence, no score matrix); prompt chunks run batched matmuls with a causal mask, in slices of
 //! query rows that bound the score matrix.
 
-use super::{Element, causal_mask};
+use super::Element;
 use crate::Result;
 use crate::attention::window_start;
 use crate::rowbuf::{GROW_TOKENS, RowBuf};
 use crate::traits::CacheGeometry;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
-/// Bytes a prompt chunk's scores may take at once (`[heads, rows, positions]` f32).
+/// Bytes a prompt chunk's scores may take at once (`[heads, rows, positions]` f32) on the CPU
+/// and on a GPU. On the GPU each slice costs about ten launches whatever its size: at 32k
+/// positions and 32 heads, 64 MiB slices are 16 query rows each.
 const SCORE_BYTES: usize = 64 << 20;
+const GPU_SCORE_BYTES: usize = 512 << 20;
+
+/// [`super::causal_mask`] built on `dev` from position ramps, never on the host: a 512-row
+/// chunk at 32k positions is a 64 MiB mask per layer.
+pub(crate) fn causal_mask_on(
+    t: usize,
+    len: usize,
+    from: usize,
+    window: Option<usize>,
+    dev: &Device,
+) -> Result<Tensor> {
+    // Positions below 2^24 are exact in f32; beyond that the host mask is used.
+    if len >= 1 << 24 {
+        return super::causal_mask(t, len, from, window, dev);
+    }
+    let rows = Tensor::arange((len - t) as u32, len as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((t, 1))?;
+    let keys = Tensor::arange(from as u32, len as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((1, len - from))?;
+    let mut ok = keys.broadcast_le(&rows)?;
+    if let Some(w) = window {
+        // Key j is seen from row pos when j >= pos + 1 - w.
+        let start = (rows + (1.0 - w as f64))?;
+        ok = (ok * keys.broadcast_ge(&start)?)?;
+    }
+    let shape = (t, len - from);
+    let zero = Tensor::zeros(shape, DType::F32, dev)?;
+    let never = Tensor::full(f32::NEG_INFINITY, shape, dev)?;
+    Ok(ok.where_cond(&zero, &never)?)
+}
 
 /// Keys and values of a dense cache on the device.
 pub(super) struct DeviceRows {
@@ -40,6 +74,14 @@ impl DeviceRows {
         self.k.write(&k.to_dtype(E::DTYPE)?, len, keep_from)?;
         self.v.write(&v.to_dtype(E::DTYPE)?, len, keep_from)?;
         Ok(())
+    }
+
+    /// An independent copy (both buffers copied on their device).
+    pub(super) fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            k: self.k.fork()?,
+            v: self.v.fork()?,
+        })
     }
 
     /// The first position still held.
@@ -76,8 +118,12 @@ impl DeviceRows {
         };
         let (k, v) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
         let n = len - from;
-        let mask = causal_mask(t, len, from, geom.sliding_window, q.device())?;
-        let step = (SCORE_BYTES / (4 * nh * n.max(1))).clamp(1, t);
+        let mask = causal_mask_on(t, len, from, geom.sliding_window, q.device())?;
+        let budget = match q.device().is_cpu() {
+            true => SCORE_BYTES,
+            false => GPU_SCORE_BYTES,
+        };
+        let step = (budget / (4 * nh * n.max(1))).clamp(1, t);
         let mut outs = Vec::with_capacity(t.div_ceil(step));
         for r0 in (0..t).step_by(step) {
             let rows = step.min(t - r0);

@@ -104,6 +104,7 @@ pub type Fp16Cache = DenseCache<f16>;
 pub type F32Cache = DenseCache<f32>;
 
 /// One block: `[n_kv_heads, BLOCK_TOKENS, head_dim]` keys and values.
+#[derive(Clone)]
 struct Block<E> {
     k: Vec<E>,
     v: Vec<E>,
@@ -425,6 +426,17 @@ impl<E: Element> KvCache for DenseCache<E> {
 
     fn method(&self) -> &str {
         E::METHOD
+    }
+
+    fn fork(&self) -> Result<Box<dyn KvCache>> {
+        Ok(Box::new(Self {
+            geom: self.geom,
+            blocks: self.blocks.clone(),
+            spare: None,
+            len: self.len,
+            roll: self.roll,
+            dev: self.dev.as_ref().map(|d| d.fork()).transpose()?,
+        }))
     }
 }
 

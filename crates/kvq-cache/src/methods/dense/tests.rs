@@ -123,3 +123,27 @@ fn rejects_wrong_shapes() {
     let q = Tensor::zeros((6, 1, 16), DType::F32, &dev).unwrap();
     assert!(matches!(cache.attend(&q, 1.0), Err(CacheError::Shape(_))));
 }
+
+#[test]
+fn device_mask_equals_host_mask() {
+    let dev = candle_core::Device::Cpu;
+    for (t, len, from, window) in [
+        (1, 1, 0, None),
+        (5, 40, 0, None),
+        (7, 40, 12, Some(9)),
+        (16, 16, 0, Some(1)),
+        (3, 1000, 990, Some(4)),
+    ] {
+        let want = causal_mask(t, len, from, window, &dev).expect("host mask");
+        let got = device::causal_mask_on(t, len, from, window, &dev).expect("tensor mask");
+        let (a, b) = (
+            want.flatten_all().and_then(|x| x.to_vec1::<f32>()),
+            got.flatten_all().and_then(|x| x.to_vec1::<f32>()),
+        );
+        assert_eq!(
+            a.expect("host"),
+            b.expect("tensor"),
+            "t {t} len {len} from {from} {window:?}"
+        );
+    }
+}

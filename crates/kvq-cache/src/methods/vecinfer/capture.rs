@@ -150,4 +150,11 @@ impl KvCache for CaptureCache {
     fn method(&self) -> &str {
         CAPTURE_METHOD
     }
+
+    fn fork(&self) -> Result<Box<dyn KvCache>> {
+        // A copy would record the shared prefix twice into the layer's samples.
+        Err(crate::CacheError::Calibration(
+            "a capture cache records one sequence and cannot be forked".into(),
+        ))
+    }
 }

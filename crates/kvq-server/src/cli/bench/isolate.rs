@@ -51,6 +51,9 @@ pub(super) fn child_args(
     if args.no_warmup {
         a.push("--no-warmup".into());
     }
+    if args.shared_prompt {
+        a.push("--shared-prompt".into());
+    }
     a
 }
 

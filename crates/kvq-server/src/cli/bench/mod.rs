@@ -48,6 +48,12 @@ pub struct BenchArgs {
     /// prompt chunks, then one token each); tokens/s count every sequence's tokens.
     #[arg(long, default_value_t = 1)]
     pub sequences: usize,
+    /// With --sequences above 1: prefill the prompt for one sequence and copy its caches to the
+    /// others (`KvCache::fork`, as a prefix cache would), so deep contexts of many sequences
+    /// are measured without prefilling each; decode still reads every sequence's own cache.
+    /// Prompt tokens/s are then one sequence's (the copies included).
+    #[arg(long)]
+    pub shared_prompt: bool,
     /// Prompt tokens per forward pass, as the server's scheduler feeds them.
     #[arg(long, default_value_t = kvq_engine::EngineConfig::default().prefill_chunk)]
     pub prefill_chunk: usize,
@@ -139,6 +145,9 @@ pub struct BenchRow {
     /// Sequences decoded together in each batched forward.
     #[serde(default = "one")]
     pub sequences: usize,
+    /// Whether the sequences' caches were copied from one prefill (`--shared-prompt`).
+    #[serde(default)]
+    pub shared_prompt: bool,
     /// Where it ran (`cpu`, `cuda:0`).
     #[serde(default = "cpu")]
     pub device: String,
@@ -310,6 +319,7 @@ async fn measure_all(
     let device = super::device::describe(loaded.model.device());
     let plan = Plan {
         sequences: args.sequences,
+        shared_prompt: args.shared_prompt && args.sequences > 1,
         device,
         prompt_tokens: args.prompt_tokens.clone(),
         gen_tokens: args.gen_tokens,
@@ -346,6 +356,7 @@ async fn measure_all(
 
 struct Plan {
     sequences: usize,
+    shared_prompt: bool,
     device: String,
     prompt_tokens: Vec<usize>,
     gen_tokens: usize,
@@ -359,7 +370,8 @@ struct Plan {
 }
 
 /// Times of one chunked prefill of `n` random tokens and `g` greedy decode steps on fresh caches
-/// of `sequences` sequences batched together, and those caches.
+/// of `sequences` sequences batched together, and those caches. With `shared`, one sequence is
+/// prefilled and its caches copied to the others (timed with the prefill).
 struct Run {
     prefill_s: f64,
     decode_s: f64,
@@ -373,8 +385,10 @@ fn run_once(
     chunk: usize,
     g: usize,
     sequences: usize,
+    shared: bool,
 ) -> anyhow::Result<Run> {
-    let mut caches = (0..sequences)
+    let prefilled = if shared { 1 } else { sequences };
+    let mut caches = (0..prefilled)
         .map(|_| model.new_caches(cache.factory.as_ref()))
         .collect::<Result<Vec<_>, _>>()?;
     let t0 = Instant::now();
@@ -391,6 +405,13 @@ fn run_once(
         logits = model.forward(&mut steps)?;
     }
     let mut next = greedy(&logits)?;
+    if caches.len() < sequences {
+        let copies = (caches.len()..sequences)
+            .map(|_| caches[0].fork())
+            .collect::<Result<Vec<_>, _>>()?;
+        caches.extend(copies);
+        next = vec![next[0]; sequences];
+    }
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     for _ in 0..g {
@@ -453,6 +474,7 @@ fn measure(
             plan.prefill_chunk,
             plan.gen_tokens.min(4),
             plan.sequences,
+            plan.shared_prompt,
         )?;
     }
     let mut pp = Vec::with_capacity(plan.repeats);
@@ -468,6 +490,7 @@ fn measure(
             plan.prefill_chunk,
             plan.gen_tokens,
             plan.sequences,
+            plan.shared_prompt,
         )?;
         if n >= 2048 {
             eprintln!(
@@ -481,7 +504,8 @@ fn measure(
             );
         }
         let seqs = plan.sequences as f64;
-        pp.push(seqs * n as f64 / r.prefill_s);
+        let prefilled = if plan.shared_prompt { 1.0 } else { seqs };
+        pp.push(prefilled * n as f64 / r.prefill_s);
         tg.push(seqs * plan.gen_tokens as f64 / r.decode_s);
         last = Some(r);
     }
@@ -498,6 +522,7 @@ fn measure(
         gen_tokens: plan.gen_tokens,
         threads: candle_core::utils::get_num_threads(),
         sequences: plan.sequences,
+        shared_prompt: plan.shared_prompt,
         device: plan.device.clone(),
         prefill_chunk: plan.prefill_chunk,
         pp_tps: Stats::new(pp).context("no prefill timing")?,

@@ -24,6 +24,7 @@ pub(super) fn derive(rows: &mut [BenchRow]) {
             && a.model == b.model
             && a.threads == b.threads
             && a.sequences == b.sequences
+            && a.shared_prompt == b.shared_prompt
             && a.device == b.device
             && a.prompt_tokens == b.prompt_tokens
             && a.gen_tokens == b.gen_tokens
@@ -50,7 +51,18 @@ pub(super) fn derive(rows: &mut [BenchRow]) {
 /// Pools the samples of rows with the same model, method and lengths from earlier runs; memory
 /// numbers keep their largest value.
 pub(super) fn merge_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<BenchRow>> {
-    type Key = (String, String, usize, usize, usize, usize);
+    // Rows of other sequence counts or devices are other configurations, never pooled.
+    type Key = (
+        String,
+        String,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        String,
+    );
     let mut merged: BTreeMap<Key, BenchRow> = BTreeMap::new();
     let mut order = Vec::new();
     for path in paths {
@@ -66,6 +78,9 @@ pub(super) fn merge_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<BenchRow>> {
                 row.prompt_tokens,
                 row.gen_tokens,
                 row.prefill_chunk,
+                row.sequences,
+                row.shared_prompt,
+                row.device.clone(),
             );
             match merged.get_mut(&key) {
                 Some(m) => {

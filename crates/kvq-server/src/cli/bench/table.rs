@@ -104,6 +104,9 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
         let mut label = r.method.clone();
         if r.sequences > 1 {
             label += &format!(" x{}", r.sequences);
+            if r.shared_prompt {
+                label += " shared";
+            }
         }
         if r.device != "cpu" {
             label += &format!(" ({})", r.device);

@@ -17,6 +17,7 @@ fn row(n: usize, threads: usize, pp: &[f64], tg: &[f64]) -> BenchRow {
         gen_tokens: 128,
         threads,
         sequences: 1,
+        shared_prompt: false,
         device: "cpu".into(),
         prefill_chunk: 512,
         pp_tps: Stats::new(pp.to_vec()).unwrap(),
