@@ -19,6 +19,7 @@ mod codec;
 pub mod cuda;
 mod encode;
 mod math;
+pub mod metal;
 mod nearest;
 mod pool;
 pub mod spec;

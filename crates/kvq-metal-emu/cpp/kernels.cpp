@@ -1,0 +1,130 @@
+// The emulator's kernel table: every kvq `.metal` file included unchanged (each set in its own
+// namespace, so the negative controls' mutated copies can sit beside the real kernels), and per
+// kernel one adapter from the C ABI (buffers in `[[buffer(n)]]` order, builtins from the
+// runtime) to the kernel's MSL signature. The standard headers come first: the shim's
+// address-space macros (`constant`, `kernel`, ...) would rewrite their declarations; and no
+// name here may be one of those words.
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include <metal_stdlib>
+
+namespace kvq_real {
+#include "common/bitpack.metal"
+#include "turboquant_mse/encode.metal"
+#include "qjl/encode.metal"
+}  // namespace kvq_real
+
+namespace kvq_xor_butterfly {
+#include KVQ_MUTANT_XOR_BUTTERFLY
+}  // namespace kvq_xor_butterfly
+
+namespace kvq_no_barrier {
+#include KVQ_MUTANT_NO_BARRIER
+}  // namespace kvq_no_barrier
+
+namespace kvq_wrong_shuffle_lane {
+#include KVQ_MUTANT_WRONG_SHUFFLE_LANE
+}  // namespace kvq_wrong_shuffle_lane
+
+namespace {
+
+struct Entry {
+  size_t buffers;
+  std::function<void(void* const*)> run;
+};
+
+using B = void* const*;
+const kvq_emu::Builtins& bi() { return kvq_emu::builtins(); }
+
+template <class Params, class F>
+Entry pack_like(F fn) {
+  return {3, [fn](B b) {
+            fn(static_cast<const uchar*>(b[0]), static_cast<uchar*>(b[1]),
+                   *static_cast<const Params*>(b[2]), bi().thread_position_in_grid.x);
+          }};
+}
+
+template <class Params, class F>
+Entry encode_scalar(F fn) {
+  return {6, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const float*>(b[1]),
+                   static_cast<const float*>(b[2]), static_cast<const uchar*>(b[3]),
+                   static_cast<uchar*>(b[4]), *static_cast<const Params*>(b[5]),
+                   bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+                   bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+template <class Params, class F>
+Entry encode_qjl_keys(F fn) {
+  return {4, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const float*>(b[1]),
+               static_cast<uchar*>(b[2]), *static_cast<const Params*>(b[3]),
+               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+const std::map<std::string, Entry>& table() {
+  static const std::map<std::string, Entry> t = {
+      {"kvq_pack_bits", pack_like<kvq_real::PackParams>(kvq_real::kvq_pack_bits)},
+      {"kvq_unpack_bits", pack_like<kvq_real::PackParams>(kvq_real::kvq_unpack_bits)},
+      {"kvq_encode_scalar",
+       encode_scalar<kvq_real::ScalarEncodeParams>(kvq_real::kvq_encode_scalar)},
+      {"xor_butterfly/kvq_encode_scalar",
+       encode_scalar<kvq_xor_butterfly::ScalarEncodeParams>(
+           kvq_xor_butterfly::kvq_encode_scalar)},
+      {"no_barrier/kvq_encode_scalar",
+       encode_scalar<kvq_no_barrier::ScalarEncodeParams>(kvq_no_barrier::kvq_encode_scalar)},
+      {"kvq_encode_qjl_keys",
+       encode_qjl_keys<kvq_real::QjlKeyEncodeParams>(kvq_real::kvq_encode_qjl_keys)},
+      {"wrong_shuffle_lane/kvq_encode_qjl_keys",
+       encode_qjl_keys<kvq_wrong_shuffle_lane::QjlKeyEncodeParams>(
+           kvq_wrong_shuffle_lane::kvq_encode_qjl_keys)},
+  };
+  return t;
+}
+
+void copy_err(const std::string& m, char* err, size_t len) {
+  if (len == 0) return;
+  const size_t n = m.size() < len - 1 ? m.size() : len - 1;
+  std::memcpy(err, m.data(), n);
+  err[n] = 0;
+}
+
+}  // namespace
+
+// Runs kernel `name` over `groups` threadgroups of `threads` threads (dispatchThreadgroups
+// units) in lane order `order`. 0: done; 1: the emulator found an error (in `err`); 2: no such
+// kernel or the wrong number of buffers. One dispatch at a time: `threadgroup` arrays are
+// statics.
+extern "C" int kvq_emu_run(const char* name, const uint32_t* groups, const uint32_t* threads,
+                           uint32_t order, uint64_t seed, void* const* buffers, size_t n_buffers,
+                           char* err, size_t err_len) {
+  static std::mutex one_at_a_time;
+  std::lock_guard<std::mutex> lock(one_at_a_time);
+  const auto& t = table();
+  const auto it = t.find(name);
+  if (it == t.end()) {
+    copy_err(std::string("no emulated kernel ") + name, err, err_len);
+    return 2;
+  }
+  if (it->second.buffers != n_buffers) {
+    copy_err(std::string(name) + " takes " + std::to_string(it->second.buffers) + " buffers, got " +
+                 std::to_string(n_buffers),
+             err, err_len);
+    return 2;
+  }
+  const auto& run = it->second.run;
+  const std::string e = kvq_emu::dispatch({groups[0], groups[1], groups[2]},
+                                          {threads[0], threads[1], threads[2]},
+                                          static_cast<kvq_emu::Order>(order), seed,
+                                          [&] { run(buffers); });
+  if (e.empty()) return 0;
+  copy_err(e, err, err_len);
+  return 1;
+}
