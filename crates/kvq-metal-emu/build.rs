@@ -8,7 +8,11 @@ use std::path::{Path, PathBuf};
 
 /// A negative control: (name, source under kernels/metal, [(from, to)]), one mistake the seed
 /// names made in the kernel's text.
-type Mutant = (&'static str, &'static str, &'static [(&'static str, &'static str)]);
+type Mutant = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
 
 const MUTANTS: &[Mutant] = &[
     (

@@ -16,6 +16,7 @@ namespace kvq_real {
 #include "common/bitpack.metal"
 #include "turboquant_mse/encode.metal"
 #include "qjl/encode.metal"
+#include "vecinfer/encode.metal"
 }  // namespace kvq_real
 
 namespace kvq_xor_butterfly {
@@ -69,6 +70,16 @@ Entry encode_qjl_keys(F fn) {
           }};
 }
 
+template <class Params, class F>
+Entry nearest(F fn) {
+  return {4, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const float*>(b[1]),
+               static_cast<uint*>(b[2]), *static_cast<const Params*>(b[3]),
+               bi().thread_position_in_grid.x, bi().thread_position_in_threadgroup.x,
+               bi().threads_per_threadgroup.x);
+          }};
+}
+
 const std::map<std::string, Entry>& table() {
   static const std::map<std::string, Entry> t = {
       {"kvq_pack_bits", pack_like<kvq_real::PackParams>(kvq_real::kvq_pack_bits)},
@@ -80,6 +91,7 @@ const std::map<std::string, Entry>& table() {
            kvq_xor_butterfly::kvq_encode_scalar)},
       {"no_barrier/kvq_encode_scalar",
        encode_scalar<kvq_no_barrier::ScalarEncodeParams>(kvq_no_barrier::kvq_encode_scalar)},
+      {"kvq_nearest", nearest<kvq_real::NearestParams>(kvq_real::kvq_nearest)},
       {"kvq_encode_qjl_keys",
        encode_qjl_keys<kvq_real::QjlKeyEncodeParams>(kvq_real::kvq_encode_qjl_keys)},
       {"wrong_shuffle_lane/kvq_encode_qjl_keys",

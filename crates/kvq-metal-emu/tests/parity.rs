@@ -261,3 +261,55 @@ fn scalar_encode_with_the_seeds_grid_is_caught() {
         seed_grid(dispatch::encode_scalar(rows, d))
     });
 }
+
+/// The emulated nearest-centroid search picks a centroid as near as the CPU's (ties may pick
+/// another index) for every sub-vector, at sub_dim 4 and 8 and 16 to 256 centroids.
+#[test]
+fn nearest_centroid_equals_the_cpu_search() {
+    use kvq_kernels::NearestCodebook;
+    use kvq_kernels::metal::params::NearestParams;
+    let mut seed = 500;
+    for sub in [4, 8] {
+        for (centroids, n) in [(16, 1), (256, 300), (256, 1000), (100, 257)] {
+            seed += 1;
+            let book = SplitMix::new(seed).gauss_vec(centroids * sub);
+            let x = SplitMix::new(seed + 1000).gauss_vec(n * sub);
+            let search = NearestCodebook::new(&book, sub).expect("codebook");
+            let dist = |i: usize, c: usize| -> f32 {
+                (0..sub)
+                    .map(|k| (x[i * sub + k] - book[c * sub + k]).powi(2))
+                    .sum()
+            };
+            for order in ORDERS {
+                let mut out = vec![POISON; n * 4];
+                let (mut xb, mut bb) = (f32_bytes(&x), f32_bytes(&book));
+                let mut p = NearestParams {
+                    n: n as u32,
+                    centroids: centroids as u32,
+                    sub: sub as u32,
+                }
+                .as_bytes();
+                run(
+                    "kvq_nearest",
+                    dispatch::nearest(n),
+                    order,
+                    &mut [&mut xb, &mut bb, &mut out, &mut p],
+                )
+                .expect("nearest");
+                for (i, got) in out.chunks_exact(4).enumerate() {
+                    let got = u32::from_le_bytes([got[0], got[1], got[2], got[3]]) as usize;
+                    assert!(
+                        got < centroids,
+                        "sub {sub} n {n} {order:?}: row {i} index {got}"
+                    );
+                    let (want, wd) = search.nearest(&x[i * sub..(i + 1) * sub]);
+                    let gd = dist(i, got);
+                    assert!(
+                        (gd - wd).abs() <= 1e-5 * wd.max(1e-6),
+                        "sub {sub} n {n} {order:?}: row {i} picks {got} at {gd}, the CPU {want} at {wd}"
+                    );
+                }
+            }
+        }
+    }
+}

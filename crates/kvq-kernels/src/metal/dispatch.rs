@@ -56,6 +56,13 @@ pub fn encode_qjl_keys(rows: usize, d: usize) -> Dispatch {
     Dispatch::linear(rows, d)
 }
 
+/// `kvq_nearest` (kernels/metal/vecinfer/encode.metal): one thread per sub-vector of the `n`,
+/// in threadgroups of [`LINEAR_THREADS`] (each copies the codebook once).
+pub fn nearest(n: usize) -> Dispatch {
+    let per = n.clamp(1, LINEAR_THREADS);
+    Dispatch::linear(n.div_ceil(per).max(1), per)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

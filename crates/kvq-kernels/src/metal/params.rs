@@ -34,6 +34,15 @@ pub struct QjlKeyEncodeParams {
     pub cb: u32,
 }
 
+/// kernels/metal/vecinfer/encode.metal `NearestParams`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NearestParams {
+    pub n: u32,
+    pub centroids: u32,
+    pub sub: u32,
+}
+
 /// The bytes of a parameter struct (plain 4-byte fields, no padding).
 pub trait AsBytes: Copy {
     fn as_bytes(&self) -> Vec<u8>;
@@ -55,3 +64,4 @@ macro_rules! as_bytes {
 as_bytes!(PackParams, n, bits);
 as_bytes!(ScalarEncodeParams, rows, t, d, bits, cb, sigma);
 as_bytes!(QjlKeyEncodeParams, rows, t, d, m, outliers, cb);
+as_bytes!(NearestParams, n, centroids, sub);
