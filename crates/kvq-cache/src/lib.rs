@@ -22,6 +22,9 @@ mod centering_tests;
 #[cfg(test)]
 mod tensor_path_tests;
 
+#[cfg(test)]
+pub(crate) mod testkit;
+
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
 pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};

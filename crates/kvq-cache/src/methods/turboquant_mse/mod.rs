@@ -20,8 +20,6 @@ use std::sync::OnceLock;
 pub mod factory;
 pub mod kernel;
 pub(crate) mod rotated;
-#[cfg(test)]
-pub(crate) mod test_support;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-mse";
