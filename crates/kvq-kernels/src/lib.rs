@@ -12,8 +12,12 @@
 //! code only ever calls the op functions. With the `cuda` feature the ops also have a `cuda_fwd`
 //! (module `cuda`), which runs a codec from its [`spec`] (`kernel_data()`) without the caches knowing;
 //! a `metal_fwd` is to follow the same way.
+//!
+//! Beside the ops, the kernels the codecs call row by row: [`bitpack`] (the packed b-bit layout
+//! of every code row).
 
 mod attend;
+pub mod bitpack;
 mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;

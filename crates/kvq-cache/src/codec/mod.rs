@@ -1,7 +1,7 @@
-//! Building blocks the compressed methods share: bit packing, the randomized Hadamard rotation,
-//! data-free Lloyd-Max scalar codebooks, seeded random matrices and the one random stream.
+//! Building blocks the compressed methods share: the randomized Hadamard rotation, data-free
+//! Lloyd-Max scalar codebooks, k-means, seeded random matrices and the one random stream (bit
+//! packing is a kernel: `kvq_kernels::bitpack`).
 
-pub mod bitpack;
 pub mod hadamard;
 pub mod kmeans;
 pub mod lloyd_max;

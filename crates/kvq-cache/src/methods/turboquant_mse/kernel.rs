@@ -7,7 +7,7 @@
 //! values with an in-register permute (the whole codebook fits in one to four registers), about
 //! 5x faster than the per-query byte lookup table (benches/decode_attention.rs).
 
-use crate::codec::bitpack;
+use kvq_kernels::bitpack;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;

@@ -5,7 +5,6 @@
 //! `kernel` (AVX-512 and portable paths, each tested against a plain reference); `rotated` is the
 //! frame this method shares with TurboQuant-RVQ.
 
-use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
@@ -13,6 +12,7 @@ use crate::{CacheError, Result};
 use half::f16;
 use kernel::{Isa, Table};
 use kvq_kernels::KernelData;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ScalarSpec, ValueSpec};
 use rotated::Rotated;
 use std::sync::OnceLock;

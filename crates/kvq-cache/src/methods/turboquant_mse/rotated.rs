@@ -5,10 +5,10 @@
 //! in the rotated domain and rotated back once per query row.
 
 use super::kernel::{self, Isa, Rows, Table};
-use crate::codec::bitpack;
 use crate::codec::hadamard::Rotation;
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::ScalarSpec;
 
 /// Head dims up to this size encode without a heap allocation.

@@ -18,13 +18,13 @@
 use super::turboquant_mse::factory::{BitsFactory, BitsMethod};
 use super::turboquant_mse::kernel::{self, Isa, Table};
 use super::turboquant_mse::rotated::Rotated;
-use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Dist, cell_std, codebook};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
 use kvq_kernels::KernelData;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ValueSpec};
 use std::sync::OnceLock;
 

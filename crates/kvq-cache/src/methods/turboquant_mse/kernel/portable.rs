@@ -6,7 +6,7 @@
 //! table by about 5x, see benches/decode_attention.rs; these are for CPUs without it.)
 
 use super::{Rows, Table};
-use crate::codec::bitpack;
+use kvq_kernels::bitpack;
 
 /// Rows below this count take the unpack loop (building a table per field costs more).
 const TABLE_ROWS: usize = 64;
