@@ -2,23 +2,22 @@
 //! each rotated coordinate of `x / ||x||` as a b-bit index into the Lloyd-Max codebook for
 //! N(0, 1/d). Keys are scored by rotating the query once and gathering codebook values; values
 //! are accumulated in the rotated domain and rotated back once per query row. The loops live in
-//! `kernel` (AVX-512 and portable paths, each tested against a plain reference); `rotated` is the
-//! frame this method shares with TurboQuant-RVQ.
+//! `kvq_kernels::turboquant` (AVX-512 and portable paths, each tested against a plain reference);
+//! `rotated` is the frame this method shares with TurboQuant-RVQ.
 
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
-use kernel::{Isa, Table};
 use kvq_kernels::KernelData;
 use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ScalarSpec, ValueSpec};
+use kvq_kernels::turboquant::{self, Isa, Table};
 use rotated::Rotated;
 use std::sync::OnceLock;
 
 pub mod factory;
-pub mod kernel;
 pub(crate) mod rotated;
 
 /// Registry name.
@@ -35,11 +34,11 @@ pub struct MseCodec {
 impl MseCodec {
     /// Rotations seeded by (`seed`, layer, head); `bits` in 1..=6.
     pub fn new(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<Self> {
-        if !(1..=kernel::MAX_BITS).contains(&bits) {
+        if !(1..=turboquant::MAX_BITS).contains(&bits) {
             return Err(CacheError::InvalidBits {
                 method: METHOD.into(),
                 bits: bits.min(255) as u8,
-                valid: (1..=kernel::MAX_BITS as u8).collect(),
+                valid: (1..=turboquant::MAX_BITS as u8).collect(),
             });
         }
         let book = codebook(Dist::Gaussian, bits);
@@ -67,7 +66,7 @@ impl MseCodec {
     fn encode_row(&self, head: usize, x: &[f32], out: &mut [u8]) {
         let th = &self.book.thresholds;
         self.core
-            .encode(head, x, out, |y, idx| kernel::quantize_into(th, y, idx));
+            .encode(head, x, out, |y, idx| turboquant::quantize_into(th, y, idx));
     }
 
     /// The definition `encode` is tested against: each coordinate's level found by a search of

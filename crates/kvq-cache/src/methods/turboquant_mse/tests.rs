@@ -83,6 +83,28 @@ fn awkward_rows(d: usize, n: usize) -> Vec<Vec<f32>> {
 }
 
 #[test]
+fn threshold_count_is_the_codebook_search() {
+    // The fast encode's threshold count (`kvq_kernels::turboquant::quantize_into`) against the
+    // codebook's search: uniform draws in [-4, 4), the thresholds themselves, non-finite values
+    // and signed zeros.
+    for bits in 1..=turboquant::MAX_BITS {
+        let book = codebook(Dist::Gaussian, bits);
+        let mut r = crate::codec::rng::SplitMix::new(u64::from(bits));
+        let mut y: Vec<f32> = (0..500)
+            .map(|_| (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            .collect();
+        y.iter_mut().for_each(|v| *v *= 4.0);
+        y.extend_from_slice(&book.thresholds);
+        y.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
+        let mut idx = vec![0u8; y.len()];
+        turboquant::quantize_into(&book.thresholds, &y, &mut idx);
+        for (v, i) in y.iter().zip(&idx) {
+            assert_eq!(*i, book.quantize(*v), "bits {bits}, y {v}");
+        }
+    }
+}
+
+#[test]
 fn fast_encode_is_bit_exact() {
     for d in [64, 128] {
         for bits in 1..=4u32 {
