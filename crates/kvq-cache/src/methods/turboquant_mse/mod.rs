@@ -3,9 +3,10 @@
 //! N(0, 1/d). Keys are scored by rotating the query once and gathering codebook values; values
 //! are accumulated in the rotated domain and rotated back once per query row. The loops live in
 //! `kvq_kernels::turboquant` (AVX-512 and portable paths, each tested against a plain reference);
-//! `rotated` is the frame this method shares with TurboQuant-RVQ.
+//! the frame around them, shared with TurboQuant-RVQ, is `crate::codec::turboquant::Rotated`.
 
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
+use crate::codec::turboquant::{BitsFactory, BitsMethod, Rotated};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
@@ -14,11 +15,7 @@ use kvq_kernels::KernelData;
 use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ScalarSpec, ValueSpec};
 use kvq_kernels::turboquant::{self, Isa, Table};
-use rotated::Rotated;
 use std::sync::OnceLock;
-
-pub mod factory;
-pub(crate) mod rotated;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-mse";
@@ -183,11 +180,11 @@ impl ValueCodec for MseCodec {
     }
 }
 
-/// TurboQuant-MSE as [`factory::BitsFactory`] builds it: the MSE codec for keys and values.
+/// TurboQuant-MSE as [`BitsFactory`] builds it: the MSE codec for keys and values.
 #[derive(Debug)]
 pub struct Mse;
 
-impl factory::BitsMethod for Mse {
+impl BitsMethod for Mse {
     const METHOD: &'static str = METHOD;
     const VALID_BITS: &'static [u8] = &[2, 3, 4];
     const DEFAULT_BITS: u8 = 4;
@@ -206,8 +203,8 @@ impl factory::BitsMethod for Mse {
     }
 }
 
-/// Builds TurboQuant-MSE caches (see [`factory::BitsFactory`]).
-pub type TurboQuantMseFactory = factory::BitsFactory<Mse>;
+/// Builds TurboQuant-MSE caches (see [`BitsFactory`]).
+pub type TurboQuantMseFactory = BitsFactory<Mse>;
 
 /// The registry entry: bits 2, 3 or 4 (default 4); a preset may set `key_bits`, `value_bits`,
 /// `window`, `sinks` and `seed` in its `[params]`; request bits override both key and value bits.

@@ -15,9 +15,8 @@
 //! TurboQuant-MSE at the same 4 bits has 0.0093: a two-stage code with a fixed Laplace second
 //! stage is a constrained 16-level scalar quantizer and cannot beat the Lloyd-Max optimum.
 
-use super::turboquant_mse::factory::{BitsFactory, BitsMethod};
-use super::turboquant_mse::rotated::Rotated;
 use crate::codec::lloyd_max::{Dist, cell_std, codebook};
+use crate::codec::turboquant::{BitsFactory, BitsMethod, Rotated};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
