@@ -1,6 +1,6 @@
-//! The frame TurboQuant-MSE and TurboQuant-RVQ (and so Prod's MSE stage) share: per head a seeded randomized Hadamard
-//! rotation; per token an fp16 norm and a row of packed b-bit indices into one scalar codebook
-//! for the rotated coordinates scaled to unit variance. Keys are scored from the query rotated
+//! The frame TurboQuant-MSE and TurboQuant-RVQ (and so Prod's MSE stage) share: per head a
+//! seeded randomized Hadamard rotation; per token an fp16 norm and a row of packed b-bit indices
+//! into one scalar codebook for the rotated coordinates scaled to unit variance. Keys are scored from the query rotated
 //! once (a dot product of it with the gathered levels, through the kernels); values are summed
 //! in the rotated domain and rotated back once per query row.
 

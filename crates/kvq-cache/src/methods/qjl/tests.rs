@@ -160,7 +160,7 @@ fn bits_accounting_matches_the_module_doc() {
     assert!(QjlFactory::new(2).sketch_dim_for(8).is_err());
 }
 
-/// The seed-averaged attention error of `f` (window 8, 300 compressed tokens; see `crate::testkit`).
+/// The seed-averaged attention error of `f` (window 8, 300 compressed tokens; see the testkit).
 fn qjl_error(f: &QjlFactory, shape: impl Fn(&mut [f32]) + Copy) -> f32 {
     seed_averaged_error(
         |seed| QjlFactory {
