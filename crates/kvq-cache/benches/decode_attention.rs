@@ -10,9 +10,9 @@ use candle_core::{Device, Tensor};
 use criterion::{Criterion, black_box, criterion_group, criterion_main};
 use kvq_cache::compressed::KeyCodec;
 use kvq_cache::methods::turboquant_mse::MseCodec;
-use kvq_cache::methods::turboquant_mse::kernel::{self, Isa, Rows, Table};
 use kvq_cache::methods::vecinfer::calibration::{FixedCalibration, VecInferCalibration};
 use kvq_cache::{CacheGeometry, CacheRegistry, CacheSpec, KvCache};
+use kvq_kernels::turboquant::{self, Isa, Rows, Table};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -142,19 +142,19 @@ fn kernels(c: &mut Criterion) {
         let mut out = vec![0f32; TOKENS];
         for isa in Isa::available() {
             g.bench_function(format!("scores_{bits}bit_{isa:?}"), |b| {
-                b.iter(|| kernel::dot_rows_with(isa, &q, &table, rows, black_box(&mut out)))
+                b.iter(|| turboquant::dot_rows_with(isa, &q, &table, rows, black_box(&mut out)))
             });
             let mut acc = vec![0f32; D];
             g.bench_function(format!("values_{bits}bit_{isa:?}"), |b| {
-                b.iter(|| kernel::axpy_rows_with(isa, &w, &table, rows, black_box(&mut acc)))
+                b.iter(|| turboquant::axpy_rows_with(isa, &w, &table, rows, black_box(&mut acc)))
             });
         }
         if bits == 4 {
             let mut lut = Vec::new();
             g.bench_function("scores_4bit_byte_lut_incl_build", |b| {
                 b.iter(|| {
-                    kernel::byte_lut(&q, &table, D, &mut lut).expect("4 bits");
-                    kernel::dot_rows_byte_lut(&lut, 4, rows, black_box(&mut out))
+                    turboquant::byte_lut(&q, &table, D, &mut lut).expect("4 bits");
+                    turboquant::dot_rows_byte_lut(&lut, 4, rows, black_box(&mut out))
                 })
             });
         }

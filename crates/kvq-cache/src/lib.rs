@@ -25,6 +25,9 @@ mod tensor_path_tests;
 #[cfg(test)]
 mod fork_tests;
 
+#[cfg(test)]
+pub(crate) mod testkit;
+
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
 pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};

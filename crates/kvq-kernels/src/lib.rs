@@ -12,8 +12,13 @@
 //! code only ever calls the op functions. With the `cuda` feature the ops also have a `cuda_fwd`
 //! (module `cuda`), which runs a codec from its [`spec`] (`kernel_data()`) without the caches knowing;
 //! a `metal_fwd` is to follow the same way.
+//!
+//! Beside the ops, the kernels the codecs call row by row: [`bitpack`] (the packed b-bit layout
+//! of every code row) and [`turboquant`] (the CPU loops of the rotated scalar codebooks: scores
+//! and value sums over packed rows, AVX-512 or portable, and the fast encode's threshold count).
 
 mod attend;
+pub mod bitpack;
 mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -24,6 +29,7 @@ mod nearest;
 mod pool;
 pub mod spec;
 mod storage;
+pub mod turboquant;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
 pub use codec::{KernelData, KernelKind, KeyCodec, ValueCodec};

@@ -2,11 +2,11 @@
 //! random inputs of several shapes, outputs poisoned; and the negative controls: the seed's
 //! mistakes, each made in a copy of a kernel (build.rs) or in its dispatch, must be caught.
 
-use kvq_cache::codec::bitpack;
 use kvq_cache::codec::rng::SplitMix;
 use kvq_cache::compressed::{KeyCodec, ValueCodec};
 use kvq_cache::methods::turboquant_mse::MseCodec;
 use kvq_cache::methods::turboquant_rvq::RvqCodec;
+use kvq_kernels::bitpack;
 use kvq_kernels::metal::dispatch::{self, Dispatch};
 use kvq_kernels::metal::params::{AsBytes, PackParams, ScalarEncodeParams};
 use kvq_kernels::spec::KeySpec;

@@ -1,6 +1,6 @@
 // Bit packing of b-bit codes (1 to 8 bits) into bytes, least significant bits first, so n codes
 // take ceil(n * b / 8) bytes and every 8 codes fill exactly b bytes (the CPU definition:
-// crates/kvq-cache/src/codec/bitpack.rs). One thread per group of 8 codes; the dispatch comes
+// crates/kvq-kernels/src/bitpack.rs). One thread per group of 8 codes; the dispatch comes
 // from kvq_kernels::metal::dispatch::pack_bits.
 #include <metal_stdlib>
 using namespace metal;

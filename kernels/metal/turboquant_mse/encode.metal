@@ -3,7 +3,7 @@
 // threadgroup sum, the randomized Hadamard in threadgroup memory with the range-based
 // butterfly (each pass reads both values before a barrier, writes after it), the scaling, the
 // threshold search, and the indices packed LSB first after the f16 norm. Same float operations
-// as crates/kvq-cache rotated.rs `encode`, in another summation order. Dispatch:
+// as crates/kvq-cache codec/turboquant/rotated.rs `encode`, in another summation order. Dispatch:
 // kvq_kernels::metal::dispatch::encode_scalar.
 #include <metal_stdlib>
 using namespace metal;

@@ -242,6 +242,4 @@ pub fn entry() -> MethodEntry {
 }
 
 #[cfg(test)]
-pub(crate) mod testkit;
-#[cfg(test)]
 mod tests;

@@ -3,12 +3,12 @@
 //! prefill equivalent to generation, the fused op equal to its reference, resident bytes as
 //! promised, and the bits accounting of the module doc.
 
-use super::testkit::{
+use super::*;
+use crate::compressed::{KeyCodec, ValueCodec};
+use crate::testkit::{
     attention_error, gauss, geom, mean_and_se, op_vs_reference, pairs, prefill_vs_steps,
     resident_ratio, seed_averaged_error,
 };
-use super::*;
-use crate::compressed::{KeyCodec, ValueCodec};
 use proptest::prelude::*;
 
 proptest! {
@@ -160,7 +160,7 @@ fn bits_accounting_matches_the_module_doc() {
     assert!(QjlFactory::new(2).sketch_dim_for(8).is_err());
 }
 
-/// The seed-averaged attention error of `f` (window 8, 300 compressed tokens; see testkit).
+/// The seed-averaged attention error of `f` (window 8, 300 compressed tokens; see the testkit).
 fn qjl_error(f: &QjlFactory, shape: impl Fn(&mut [f32]) + Copy) -> f32 {
     seed_averaged_error(
         |seed| QjlFactory {

@@ -15,11 +15,11 @@
 //! 8192 tokens, `cargo bench -p kvq-cache --bench decode_attention`.)
 
 use crate::attention::axpy;
-use crate::codec::bitpack;
 use crate::compressed::{KernelKind, ValueCodec};
 use crate::{CacheError, Result};
 use half::f16;
 use kvq_kernels::KernelData;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::ValueSpec;
 use std::sync::{Arc, OnceLock};
 

@@ -2,26 +2,20 @@
 //! each rotated coordinate of `x / ||x||` as a b-bit index into the Lloyd-Max codebook for
 //! N(0, 1/d). Keys are scored by rotating the query once and gathering codebook values; values
 //! are accumulated in the rotated domain and rotated back once per query row. The loops live in
-//! `kernel` (AVX-512 and portable paths, each tested against a plain reference); `rotated` is the
-//! frame this method shares with TurboQuant-RVQ.
+//! `kvq_kernels::turboquant` (AVX-512 and portable paths, each tested against a plain reference);
+//! the frame around them, shared with TurboQuant-RVQ, is `crate::codec::turboquant::Rotated`.
 
-use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Codebook, Dist, codebook};
+use crate::codec::turboquant::{BitsFactory, BitsMethod, Rotated};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
-use kernel::{Isa, Table};
 use kvq_kernels::KernelData;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ScalarSpec, ValueSpec};
-use rotated::Rotated;
+use kvq_kernels::turboquant::{self, Isa, Table};
 use std::sync::OnceLock;
-
-pub mod factory;
-pub mod kernel;
-pub(crate) mod rotated;
-#[cfg(test)]
-pub(crate) mod test_support;
 
 /// Registry name.
 pub const METHOD: &str = "turboquant-mse";
@@ -37,11 +31,11 @@ pub struct MseCodec {
 impl MseCodec {
     /// Rotations seeded by (`seed`, layer, head); `bits` in 1..=6.
     pub fn new(d: usize, heads: usize, bits: u32, layer: usize, seed: u64) -> Result<Self> {
-        if !(1..=kernel::MAX_BITS).contains(&bits) {
+        if !(1..=turboquant::MAX_BITS).contains(&bits) {
             return Err(CacheError::InvalidBits {
                 method: METHOD.into(),
                 bits: bits.min(255) as u8,
-                valid: (1..=kernel::MAX_BITS as u8).collect(),
+                valid: (1..=turboquant::MAX_BITS as u8).collect(),
             });
         }
         let book = codebook(Dist::Gaussian, bits);
@@ -69,7 +63,7 @@ impl MseCodec {
     fn encode_row(&self, head: usize, x: &[f32], out: &mut [u8]) {
         let th = &self.book.thresholds;
         self.core
-            .encode(head, x, out, |y, idx| kernel::quantize_into(th, y, idx));
+            .encode(head, x, out, |y, idx| turboquant::quantize_into(th, y, idx));
     }
 
     /// The definition `encode` is tested against: each coordinate's level found by a search of
@@ -186,11 +180,11 @@ impl ValueCodec for MseCodec {
     }
 }
 
-/// TurboQuant-MSE as [`factory::BitsFactory`] builds it: the MSE codec for keys and values.
+/// TurboQuant-MSE as [`BitsFactory`] builds it: the MSE codec for keys and values.
 #[derive(Debug)]
 pub struct Mse;
 
-impl factory::BitsMethod for Mse {
+impl BitsMethod for Mse {
     const METHOD: &'static str = METHOD;
     const VALID_BITS: &'static [u8] = &[2, 3, 4];
     const DEFAULT_BITS: u8 = 4;
@@ -209,8 +203,8 @@ impl factory::BitsMethod for Mse {
     }
 }
 
-/// Builds TurboQuant-MSE caches (see [`factory::BitsFactory`]).
-pub type TurboQuantMseFactory = factory::BitsFactory<Mse>;
+/// Builds TurboQuant-MSE caches (see [`BitsFactory`]).
+pub type TurboQuantMseFactory = BitsFactory<Mse>;
 
 /// The registry entry: bits 2, 3 or 4 (default 4); a preset may set `key_bits`, `value_bits`,
 /// `window`, `sinks` and `seed` in its `[params]`; request bits override both key and value bits.

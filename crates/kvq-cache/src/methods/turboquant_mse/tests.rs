@@ -3,11 +3,11 @@
 //! fast encode and scoring paths against their references, the fused op against
 //! `attend_reference`, and resident bytes as promised.
 
-use super::test_support::{
-    assert_op_matches_reference, assert_prefill_matches_steps, attention_error, gauss,
-    resident_ratio, unit_distortion,
-};
 use super::*;
+use crate::testkit::{
+    attention_error, gauss, geom, op_vs_reference, prefill_vs_steps, resident_ratio,
+    unit_distortion,
+};
 use crate::traits::CacheFactory;
 use std::sync::Arc;
 
@@ -39,23 +39,24 @@ fn factory(bits: u32, window: usize, sinks: usize) -> TurboQuantMseFactory {
 
 #[test]
 fn attention_error_shrinks_with_bits() {
-    let e2 = attention_error(&factory(2, 8, 0), 300);
-    let e3 = attention_error(&factory(3, 8, 0), 300);
-    let e4 = attention_error(&factory(4, 8, 0), 300);
+    let e2 = attention_error(&factory(2, 8, 0), 300, 1);
+    let e3 = attention_error(&factory(3, 8, 0), 300, 1);
+    let e4 = attention_error(&factory(4, 8, 0), 300, 1);
     assert!(e4 < e3 && e3 < e2, "{e2} {e3} {e4}");
     assert!(e4 < 0.15, "4-bit relative error {e4}");
 }
 
 #[test]
 fn window_covering_everything_is_exact_up_to_f16() {
-    assert!(attention_error(&factory(2, 1000, 0), 300) < 2e-3);
+    assert!(attention_error(&factory(2, 1000, 0), 300, 1) < 2e-3);
     // All-sink: the first tokens are fp16 too.
-    assert!(attention_error(&factory(2, 1, 400), 300) < 2e-3);
+    assert!(attention_error(&factory(2, 1, 400), 300, 1) < 2e-3);
 }
 
 #[test]
 fn prefill_rows_see_what_generation_would() {
-    assert_prefill_matches_steps(&factory(3, 16, 2));
+    let diff = prefill_vs_steps(&factory(3, 16, 2));
+    assert!(diff < 1e-5, "{diff}");
 }
 
 #[test]
@@ -79,6 +80,28 @@ fn awkward_rows(d: usize, n: usize) -> Vec<Vec<f32>> {
     rows.push(vec![0.0; d]);
     rows.push(vec![6.0e4; d]);
     rows
+}
+
+#[test]
+fn threshold_count_is_the_codebook_search() {
+    // The fast encode's threshold count (`kvq_kernels::turboquant::quantize_into`) against the
+    // codebook's search: uniform draws in [-4, 4), the thresholds themselves, non-finite values
+    // and signed zeros.
+    for bits in 1..=turboquant::MAX_BITS {
+        let book = codebook(Dist::Gaussian, bits);
+        let mut r = crate::codec::rng::SplitMix::new(u64::from(bits));
+        let mut y: Vec<f32> = (0..500)
+            .map(|_| (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            .collect();
+        y.iter_mut().for_each(|v| *v *= 4.0);
+        y.extend_from_slice(&book.thresholds);
+        y.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
+        let mut idx = vec![0u8; y.len()];
+        turboquant::quantize_into(&book.thresholds, &y, &mut idx);
+        for (v, i) in y.iter().zip(&idx) {
+            assert_eq!(*i, book.quantize(*v), "bits {bits}, y {v}");
+        }
+    }
 }
 
 #[test]
@@ -166,7 +189,8 @@ fn fused_op_matches_attend_reference() {
     for bits in [2u32, 3, 4] {
         let k = MseCodec::new(64, 2, bits, 1, 5).unwrap();
         let v = MseCodec::new(64, 2, bits, 1, 6).unwrap();
-        assert_op_matches_reference(Arc::new(k), Arc::new(v));
+        let err = op_vs_reference(Arc::new(k), Arc::new(v));
+        assert!(err < 1e-4, "bits {bits}: {err}");
     }
 }
 
@@ -180,7 +204,7 @@ fn bits_outside_the_kernels_are_an_error() {
 #[test]
 fn attending_twice_without_append_is_an_error_not_a_panic() {
     use candle_core::{Device, Tensor};
-    let g = super::test_support::geom();
+    let g = geom();
     let f = TurboQuantMseFactory {
         window: 4,
         ..TurboQuantMseFactory::new(3)

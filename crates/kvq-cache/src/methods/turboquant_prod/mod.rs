@@ -12,9 +12,9 @@
 //! bits.
 
 use super::turboquant_mse::MseCodec;
-use super::turboquant_mse::factory::{BitsFactory, BitsMethod, invalid_bits};
 use crate::Result;
 use crate::codec::sketch::SignSketch;
+use crate::codec::turboquant::{BitsFactory, BitsMethod, invalid_bits};
 use crate::compressed::{KernelKind, KeyCodec};
 use crate::registry::MethodEntry;
 use half::f16;

@@ -6,7 +6,7 @@
 use super::*;
 use crate::compressed::CodecFactory;
 use crate::compressed::ValueCodec;
-use crate::methods::qjl::testkit::{
+use crate::testkit::{
     attention_error, gauss, geom, mean_and_se, op_vs_reference, pairs, prefill_vs_steps,
     resident_ratio, seed_averaged_error,
 };

@@ -15,17 +15,16 @@
 //! TurboQuant-MSE at the same 4 bits has 0.0093: a two-stage code with a fixed Laplace second
 //! stage is a constrained 16-level scalar quantizer and cannot beat the Lloyd-Max optimum.
 
-use super::turboquant_mse::factory::{BitsFactory, BitsMethod};
-use super::turboquant_mse::kernel::{self, Isa, Table};
-use super::turboquant_mse::rotated::Rotated;
-use crate::codec::bitpack;
 use crate::codec::lloyd_max::{Dist, cell_std, codebook};
+use crate::codec::turboquant::{BitsFactory, BitsMethod, Rotated};
 use crate::compressed::{KernelKind, KeyCodec, ValueCodec};
 use crate::registry::MethodEntry;
 use crate::{CacheError, Result};
 use half::f16;
 use kvq_kernels::KernelData;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::{KeySpec, ValueSpec};
+use kvq_kernels::turboquant::{self, Isa, Table};
 use std::sync::OnceLock;
 
 /// Registry name.
@@ -98,7 +97,7 @@ impl RvqCodec {
 
     fn encode_row(&self, head: usize, x: &[f32], out: &mut [u8]) {
         self.core.encode(head, x, out, |y, idx| {
-            kernel::quantize_into(&self.thresholds, y, idx);
+            turboquant::quantize_into(&self.thresholds, y, idx);
             idx.iter_mut()
                 .for_each(|i| *i = self.code_of[usize::from(*i)]);
         });

@@ -1,15 +1,15 @@
-//! The frame TurboQuant-MSE and TurboQuant-RVQ share: per head a seeded randomized Hadamard
-//! rotation; per token an fp16 norm and a row of packed b-bit indices into one scalar codebook
-//! for the rotated coordinates scaled to unit variance. Keys are scored from the query rotated
+//! The frame TurboQuant-MSE and TurboQuant-RVQ (and so Prod's MSE stage) share: per head a
+//! seeded randomized Hadamard rotation; per token an fp16 norm and a row of packed b-bit indices
+//! into one scalar codebook for the rotated coordinates scaled to unit variance. Keys are scored from the query rotated
 //! once (a dot product of it with the gathered levels, through the kernels); values are summed
 //! in the rotated domain and rotated back once per query row.
 
-use super::kernel::{self, Isa, Rows, Table};
-use crate::codec::bitpack;
 use crate::codec::hadamard::Rotation;
 use crate::{CacheError, Result};
 use half::f16;
+use kvq_kernels::bitpack;
 use kvq_kernels::spec::ScalarSpec;
+use kvq_kernels::turboquant::{self, Isa, Rows, Table};
 
 /// Head dims up to this size encode without a heap allocation.
 const STACK_DIM: usize = 256;
@@ -28,7 +28,7 @@ pub(crate) struct Rotated {
 
 impl Rotated {
     /// Rotations seeded by (`seed`, layer, head); `table` holds the levels (at most
-    /// `kernel::MAX_BITS` bits).
+    /// `turboquant::MAX_BITS` bits).
     pub fn new(
         method: &str,
         d: usize,
@@ -169,14 +169,14 @@ impl Rotated {
     pub fn scores(&self, state: &[f32], codes: &[u8], stride: usize, out: &mut [f32]) {
         let n = out.len().min(codes.len() / stride.max(1));
         let rows = self.rows(codes, stride);
-        kernel::dot_rows_with(self.isa, state, &self.table, rows, &mut out[..n]);
+        turboquant::dot_rows_with(self.isa, state, &self.table, rows, &mut out[..n]);
     }
 
     /// `acc += sum_r probs[r] * norm_r * sigma * levels(code r)`: values in the rotated domain.
     pub fn accumulate(&self, probs: &[f32], codes: &[u8], stride: usize, acc: &mut [f32]) {
         let n = probs.len().min(codes.len() / stride.max(1));
         let rows = self.rows(codes, stride);
-        kernel::axpy_rows_with(self.isa, &probs[..n], &self.value_table, rows, acc);
+        turboquant::axpy_rows_with(self.isa, &probs[..n], &self.value_table, rows, acc);
     }
 
     /// The sum rotated back to the value domain.

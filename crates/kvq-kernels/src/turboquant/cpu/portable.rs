@@ -5,8 +5,8 @@
 //! into values once. Other widths unpack each row and multiply-add. (The AVX-512 path's register gather beats the byte
 //! table by about 5x, see benches/decode_attention.rs; these are for CPUs without it.)
 
-use super::{Rows, Table};
-use crate::codec::bitpack;
+use crate::bitpack;
+use crate::turboquant::{Rows, Table};
 
 /// Rows below this count take the unpack loop (building a table per field costs more).
 const TABLE_ROWS: usize = 64;
@@ -80,7 +80,12 @@ pub fn dot_rows_byte_lut(lut: &[f32], bits: u32, rows: Rows<'_>, out: &mut [f32]
     }
 }
 
-pub(super) fn dot_rows_portable(q: &[f32], table: &Table, rows: Rows<'_>, out: &mut [f32]) {
+pub(in crate::turboquant) fn dot_rows_portable(
+    q: &[f32],
+    table: &Table,
+    rows: Rows<'_>,
+    out: &mut [f32],
+) {
     let (bits, d) = (table.bits(), rows.d);
     let mut lut = Vec::new();
     if out.len() >= TABLE_ROWS && byte_lut(q, table, d, &mut lut).is_some() {
@@ -97,7 +102,12 @@ pub(super) fn dot_rows_portable(q: &[f32], table: &Table, rows: Rows<'_>, out: &
     }
 }
 
-pub(super) fn axpy_rows_portable(w: &[f32], table: &Table, rows: Rows<'_>, acc: &mut [f32]) {
+pub(in crate::turboquant) fn axpy_rows_portable(
+    w: &[f32],
+    table: &Table,
+    rows: Rows<'_>,
+    acc: &mut [f32],
+) {
     let (bits, d) = (table.bits(), rows.d);
     if let Some(fbits) = field_bits(bits).filter(|_| w.len() >= TABLE_ROWS && d.is_multiple_of(8)) {
         // Each row's weight goes to the histogram of its fields, turned into values once.

@@ -1,20 +1,22 @@
-//! The hot loops of the rotated scalar-codebook methods (TurboQuant-MSE, and TurboQuant-RVQ
-//! through its combined two-stage codebook): dot products of a query against rows of packed b-bit
-//! indices into a codebook, and probability-weighted sums of such rows, plus the fast encode
-//! helpers (threshold counting). Each loop has a plain `*_reference` definition; the fast paths
-//! (AVX-512 with VBMI on x86-64, otherwise portable per-query tables, see `portable`) are tested
-//! against it. Measured on the 2-core AMD EPYC (Zen 4) dev box: the AVX-512 path gathers codebook
-//! values with an in-register permute (the whole codebook fits in one to four registers), about
-//! 5x faster than the per-query byte lookup table (benches/decode_attention.rs).
+//! The CPU hot loops of the TurboQuant family's rotated scalar codebooks (TurboQuant-MSE, the
+//! MSE stage of TurboQuant-Prod, and TurboQuant-RVQ through its combined two-stage codebook): dot
+//! products of a query against rows of packed b-bit indices into a codebook, and
+//! probability-weighted sums of such rows, plus the fast encode helper (threshold counting). Their
+//! CUDA twins are kernels/cuda/turboquant_mse/*.cu. Each loop has a plain `*_reference` definition;
+//! the fast paths (`cpu/`: AVX-512 with VBMI on x86-64, otherwise portable per-query tables) are
+//! tested against it. Measured on the 2-core AMD EPYC (Zen 4) dev box: the AVX-512 path gathers
+//! codebook values with an in-register permute (the whole codebook fits in one to four
+//! registers), about 5x faster than the per-query byte lookup table
+//! (kvq-cache/benches/decode_attention.rs).
 
-use crate::codec::bitpack;
+use crate::bitpack;
+
+mod cpu;
 
 #[cfg(target_arch = "x86_64")]
-mod avx512;
-mod portable;
-
-use portable::{axpy_rows_portable, dot_rows_portable};
-pub use portable::{byte_lut, dot_rows_byte_lut};
+use cpu::avx512;
+use cpu::portable::{axpy_rows_portable, dot_rows_portable};
+pub use cpu::portable::{byte_lut, dot_rows_byte_lut};
 
 /// Largest index width the kernels take (a 64-entry codebook: RVQ at 3 + 3 bits).
 pub const MAX_BITS: u32 = 6;

@@ -10,7 +10,7 @@
 //! Value sums keep the whole accumulator in registers across all rows (the byte permute measured
 //! faster there).
 
-use super::{Rows, Table};
+use crate::turboquant::{Rows, Table};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these paths.
@@ -375,7 +375,7 @@ macro_rules! dispatch {
 /// the features or the shape is not covered.
 pub fn dot_rows(q: &[f32], table: &Table, rows: Rows<'_>, out: &mut [f32]) {
     if !available() {
-        return super::dot_rows_portable(q, table, rows, out);
+        return super::portable::dot_rows_portable(q, table, rows, out);
     }
     // SAFETY (each arm): the CPU has avx512f, avx512bw and avx512vbmi (checked above).
     if out.len() >= 16 {
@@ -384,7 +384,7 @@ pub fn dot_rows(q: &[f32], table: &Table, rows: Rows<'_>, out: &mut [f32]) {
             table.bits(),
             rows.d,
             (q, table, rows, out),
-            super::dot_rows_portable(q, table, rows, out)
+            super::portable::dot_rows_portable(q, table, rows, out)
         )
     } else {
         dispatch!(
@@ -392,7 +392,7 @@ pub fn dot_rows(q: &[f32], table: &Table, rows: Rows<'_>, out: &mut [f32]) {
             table.bits(),
             rows.d,
             (q, table, rows, out),
-            super::dot_rows_portable(q, table, rows, out)
+            super::portable::dot_rows_portable(q, table, rows, out)
         )
     }
 }
@@ -400,7 +400,7 @@ pub fn dot_rows(q: &[f32], table: &Table, rows: Rows<'_>, out: &mut [f32]) {
 /// Value sums on this path; falls back like [`dot_rows`].
 pub fn axpy_rows(w: &[f32], table: &Table, rows: Rows<'_>, acc: &mut [f32]) {
     if !available() {
-        return super::axpy_rows_portable(w, table, rows, acc);
+        return super::portable::axpy_rows_portable(w, table, rows, acc);
     }
     // SAFETY (each arm): as in `dot_rows`.
     dispatch!(
@@ -408,6 +408,6 @@ pub fn axpy_rows(w: &[f32], table: &Table, rows: Rows<'_>, acc: &mut [f32]) {
         table.bits(),
         rows.d,
         (w, table, rows, acc),
-        super::axpy_rows_portable(w, table, rows, acc)
+        super::portable::axpy_rows_portable(w, table, rows, acc)
     )
 }

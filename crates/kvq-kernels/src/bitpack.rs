@@ -1,5 +1,6 @@
 //! Bit packing of b-bit codes (1 to 8 bits) into bytes, least significant bits first, so a row
-//! of `n` codes takes exactly `ceil(n * b / 8)` bytes.
+//! of `n` codes takes exactly `ceil(n * b / 8)` bytes: the layout every packed code row of the
+//! caches uses, and the one the CPU and CUDA kernels unpack.
 
 /// Bytes needed for `n` codes of `bits` bits.
 pub const fn packed_len(n: usize, bits: u32) -> usize {
