@@ -1,7 +1,8 @@
 // Encode of TurboQuant-MSE and -RVQ (and the first stage of TurboQuant-Prod, through
 // scalar_encode_row): one block of D threads per row. Norm by a block sum, the randomized
 // Hadamard fused with the scaling and the threshold search in shared memory, indices packed
-// LSB first. Same float operations as kvq-cache rotated.rs `encode`, in another summation order.
+// LSB first. Same float operations as kvq-cache codec/turboquant/rotated.rs `encode`, in another
+// summation order.
 #include "../common/encode.cuh"
 
 namespace kvq {
