@@ -1,12 +1,20 @@
 //! Key centering and sharp layers of a compressed cache (see the parent module's docs): the
-//! center's state, encoding keys around it, and the one decision made from the first queries.
+//! center's state, encoding keys around it, the query statistics it keeps, and the one decision
+//! made from the first queries (whether the layer stays in fp16).
+//!
+//! Invariant: a [`KeyCenter`] depends only on the keys and queries at positions below
+//! `sinks + CENTER_ROWS`: the center is the mean of the keys at `sinks..sinks + CENTER_ROWS`
+//! (fixed once all of them are appended, from their fp16 rows), and the sharpness decision is
+//! made from those keys and the queries at the same positions, once a query at or past
+//! `sinks + CENTER_ROWS` comes. So neither depends on how the text was split into appends. A
+//! truncation below `sinks + CENTER_ROWS` forgets both (while the fp16 rows to re-encode from
+//! are still there), so they are made again from the keys and queries that come next.
 
-use super::CompressedCache;
+use super::exact_rows::ExactRows;
+use crate::Result;
+use crate::traits::CacheGeometry;
 use candle_core::{DType, Tensor};
 use half::f16;
-use half::slice::HalfFloatSliceExt;
-
-use crate::Result;
 
 /// Keys past the sinks the key center is the mean of; it is fixed once a layer has seen them.
 /// Few and early on purpose: Qwen2.5 makes secondary attention sinks of its system prompt's
@@ -21,7 +29,7 @@ pub const CENTER_ROWS: usize = 16;
 
 /// The key center of a cache (see the module docs).
 #[derive(Clone)]
-pub(super) enum Center {
+enum Center {
     /// Not fixed yet: codes so far are of raw keys and get re-encoded when it is.
     Pending,
     /// Keys are coded raw and no layer is sharp: the early keys' fp16 rows were gone when the
@@ -45,7 +53,50 @@ pub(super) enum Center {
 /// +0.6%); every other layer at most 32 (Qwen2.5), 21 (SmolLM2), 73 (Gemma-3-270M).
 pub const SHARP_LOGITS: f32 = 150.0;
 
-impl CompressedCache {
+/// The key center of one layer and what is decided with it (see the module docs).
+#[derive(Clone)]
+pub(super) struct KeyCenter {
+    center: Center,
+    /// Heads whose center carries less of their first keys' energy code raw keys.
+    share: f32,
+    /// Squared norms of the query rows at the positions that fix the center, and their count.
+    q_sq: f64,
+    q_rows: usize,
+    /// The center as a device tensor `[kv heads, d, 1]`, when the cache lives on a GPU. Never
+    /// written in place: a clone (a fork) shares it as a copy would.
+    mu_dev: Option<Tensor>,
+    /// The first position whose key fixes the center (the sinks come before it).
+    sinks: usize,
+    geom: CacheGeometry,
+}
+
+impl KeyCenter {
+    /// Not fixed yet, every head centered (`share` 0).
+    pub(super) fn new(geom: CacheGeometry, sinks: usize) -> Self {
+        Self {
+            center: Center::Pending,
+            share: 0.0,
+            q_sq: 0.0,
+            q_rows: 0,
+            mu_dev: None,
+            sinks,
+            geom,
+        }
+    }
+
+    /// Centers the heads whose center carries at least `centering` of their first keys'
+    /// energy; none with `None` (see `CodecFactory::key_centering`). Not fixed yet.
+    pub(super) fn set_centering(&mut self, centering: Option<f32>) {
+        self.center = Center::Pending;
+        self.share = centering.unwrap_or(f32::INFINITY);
+    }
+
+    /// Whether the queries of positions `first..first + t` include some at the positions that
+    /// fix the center (`sinks..sinks + CENTER_ROWS`), which [`Self::observe_queries`] counts.
+    pub(super) fn observes(&self, first: usize, t: usize) -> bool {
+        first < self.sinks + CENTER_ROWS && first + t > self.sinks
+    }
+
     /// Counts the squared norms of the query rows at positions `sinks..sinks + CENTER_ROWS` (the
     /// positions whose keys fix the center); `qv` is `[heads][t][d]` for positions from `first`.
     pub(super) fn observe_queries(&mut self, qv: &[f32], t: usize, first: usize) {
@@ -111,23 +162,27 @@ impl CompressedCache {
     }
 
     /// The key rows to encode for an append of `k` (`[kv heads, t, d]`; `kd` its values, read
-    /// back here when not given: a GPU cache) and the position they start at. Centered keys are
-    /// rounded to fp16 first, so a center fixed in a prefill chunk and one fixed by single decode
-    /// steps (from the fp16 rows) code alike: what a query sees does not depend on how the text
-    /// was split into appends.
+    /// back here when not given: a GPU cache) at position `len` of a cache whose fp16 rows are
+    /// `exact`, and the position they start at: `len`, or 0 when the center is fixed now (every
+    /// key so far is re-encoded around it, from its fp16 row). Centered keys are rounded to
+    /// fp16 first, so a center fixed in a prefill chunk and one fixed by single decode steps
+    /// (from the fp16 rows) code alike: what a query sees does not depend on how the text was
+    /// split into appends.
     pub(super) fn keys_to_encode(
         &mut self,
         k: &Tensor,
         kd: Option<&[f32]>,
+        len: usize,
+        exact: &ExactRows,
     ) -> Result<(Tensor, usize)> {
         let (kvh, t, d) = k.dims3()?;
-        let (len, end, want) = (self.len, self.len + t, self.sinks + CENTER_ROWS);
+        let (end, want) = (len + t, self.sinks + CENTER_ROWS);
         let round = |x: &f32| f16::from_f32(*x).to_f32();
         let fix_now = match self.center {
             Center::Off => return Ok((k.clone(), len)),
             Center::Pending if end < want => return Ok((k.clone(), len)),
             // Not reached (fp16 rows are kept while pending); the codes so far are raw.
-            Center::Pending if self.recent_k.first > 0 => {
+            Center::Pending if exact.first() > 0 => {
                 self.center = Center::Off;
                 return Ok((k.clone(), len));
             }
@@ -149,23 +204,18 @@ impl CompressedCache {
         };
         // The early keys from the fp16 rows (all kept while the center was pending); a GPU
         // cache reads them back once, here.
-        let early_dev = match (&self.recent_k.dev, fix_now) {
-            (Some(buf), true) => buf
-                .view(len)?
-                .map(|v| v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>())
-                .transpose()?,
-            _ => None,
+        let early = match fix_now {
+            true => Some(exact.keys_from_start(len)?),
+            false => None,
         };
         let (from, rows) = if fix_now { (0, end) } else { (len, t) };
         // `[kv head][rows][d]`: every key so far when the center is fixed now (the earlier ones
         // from their fp16 rows, all kept while it was pending), else the new ones.
         let mut x = vec![0f32; kvh * rows * d];
         for (h, dst) in x.chunks_mut(rows * d).enumerate() {
-            let (early, new) = dst.split_at_mut((len - from) * d);
-            match &early_dev {
-                _ if !fix_now => {}
-                Some(e) => early.copy_from_slice(&e[h * len * d..(h + 1) * len * d]),
-                None => self.recent_k.rows[h][..len * d].convert_to_f32_slice(early),
+            let (dst_early, new) = dst.split_at_mut((len - from) * d);
+            if let Some(e) = &early {
+                dst_early.copy_from_slice(&e[h * len * d..(h + 1) * len * d]);
             }
             for (o, v) in new.iter_mut().zip(&kd[h * t * d..(h + 1) * t * d]) {
                 *o = round(v);
@@ -189,11 +239,11 @@ impl CompressedCache {
                 // Mean squared distance to the mean = mean squared norm - squared norm of the mean.
                 spread += (energy - mean_sq).max(0.0) / kvh as f32;
                 let share = mean_sq / energy.max(f32::MIN_POSITIVE);
-                if share < self.center_share {
+                if share < self.share {
                     m.fill(0.0);
                 }
             }
-            if self.recent_k.dev.is_some() {
+            if exact.on_device() {
                 self.mu_dev = Some(Tensor::from_vec(mu.clone(), (kvh, d, 1), k.device())?);
             }
             self.center = Center::On {
@@ -211,5 +261,43 @@ impl CompressedCache {
             }
         }
         Ok((Tensor::from_vec(x, (kvh, rows, d), k.device())?, from))
+    }
+
+    /// The positions below which a query reads every key from fp16 (`exact_before` of the
+    /// attention parameters): none once centering is off, every one in an exact layer, else
+    /// those whose queries come before the center is fixed.
+    pub(super) fn exact_before(&self) -> usize {
+        match self.center {
+            Center::Off => 0,
+            _ if self.is_exact() => usize::MAX,
+            Center::Pending | Center::On { .. } => self.sinks + CENTER_ROWS,
+        }
+    }
+
+    /// After a truncation to `n` positions (`first`: the first position the fp16 rows still
+    /// hold): a center fixed from keys that are gone is forgotten, to be fixed again from the
+    /// next ones as a fresh cache would (every fp16 row is still here to re-encode the kept
+    /// codes from), and sharpness is decided from the queries that come from now on. Without
+    /// those rows the old center stays: every code was made with it.
+    pub(super) fn truncate(&mut self, n: usize, first: usize) {
+        if n < self.sinks + CENTER_ROWS && first == 0 && matches!(self.center, Center::On { .. }) {
+            self.center = Center::Pending;
+            self.mu_dev = None;
+            (self.q_sq, self.q_rows) = (0.0, 0);
+        }
+    }
+
+    /// `scale * q . mu` per query row (`q`: `[heads, t, d]` on the device), `[heads, t, 1]`,
+    /// or None for a cache without a device center.
+    pub(super) fn shift(&self, q: &Tensor, scale: f32) -> Result<Option<Tensor>> {
+        let Some(mu) = &self.mu_dev else {
+            return Ok(None);
+        };
+        let (nh, t, d) = q.dims3()?;
+        let kvh = self.geom.n_kv_heads;
+        let qs = q.reshape((kvh, nh / kvh * t, d))?;
+        Ok(Some(
+            (qs.matmul(mu)? * f64::from(scale))?.reshape((nh, t, 1))?,
+        ))
     }
 }

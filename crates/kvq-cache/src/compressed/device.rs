@@ -1,105 +1,40 @@
 //! A compressed cache on a GPU: the fp16 window and sinks live in device buffers beside the
-//! codes, and attention never leaves the device. A decode step (one query row) is one fused
-//! launch sequence on CUDA: the codes' attention split over the sequence, the fp16 rows as one
-//! more split, the key center's logit shift and the merge inside the combine kernel. Prompt
-//! chunks (and devices without a fused kernel) take the simpler path: the compressed op's
-//! partial states merged with the fp16 rows in tensor ops, masked per query row, in slices that
-//! bound the score matrix.
+//! codes (`exact_rows.rs` keeps them), and attention never leaves the device. A decode step
+//! (one query row) is one fused launch sequence on CUDA: the codes' attention split over the
+//! sequence, the fp16 rows as one more split, the key center's logit shift and the merge
+//! inside the combine kernel. Prompt chunks (and devices without a fused kernel) take the
+//! simpler path: the compressed op's partial states merged with the fp16 rows in tensor ops,
+//! masked per query row, in slices that bound the score matrix.
 
-use super::{CompressedCache, Fp16Rows};
+use super::CompressedCache;
+use super::exact_rows::Fp16Rows;
 use crate::Result;
-use crate::rowbuf::RowBuf;
 use candle_core::{D, DType, Tensor};
-use kvq_kernels::{AttendParams, compressed_attend};
+use kvq_kernels::AttendParams;
 
 /// Bytes a prompt chunk's exact scores may take at once (`[heads, rows, exact rows]` f32).
 const SCORE_BYTES: usize = 64 << 20;
 
 impl CompressedCache {
-    /// Moves this (empty) cache's fp16 rows to device buffers: it lives where its first keys
-    /// came from.
-    pub(super) fn use_device(&mut self) -> Result<()> {
-        let (h, d) = (self.geom.n_kv_heads, self.geom.head_dim);
-        // The window's buffer grows (and is compacted) a window's length at a time.
-        let recent = (self.window + 1)
-            .next_power_of_two()
-            .clamp(16, crate::rowbuf::GROW_TOKENS);
-        let sinks = self.sinks.max(1);
-        for (rows, step) in [
-            (&mut self.recent_k, recent),
-            (&mut self.recent_v, recent),
-            (&mut self.sink_k, sinks),
-            (&mut self.sink_v, sinks),
-        ] {
-            *rows = Fp16Rows {
-                dev: Some(RowBuf::new(h, d, DType::F16, step)),
-                ..Fp16Rows::new(h)
-            };
-        }
-        Ok(())
-    }
-
-    /// Appends the fp16 rows of keys `k` and values `v` (`[kv heads, t, d]` f32 on the device)
-    /// at positions `len..`, the first `sinks` also as sinks.
-    pub(super) fn push_device(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (len, t) = (self.len, k.dim(1)?);
-        let (k16, v16) = (k.to_dtype(DType::F16)?, v.to_dtype(DType::F16)?);
-        let keep = self.recent_k.first;
-        for (rows, x) in [(&mut self.recent_k, &k16), (&mut self.recent_v, &v16)] {
-            if let Some(buf) = &mut rows.dev {
-                buf.write(x, len, keep)?;
-            }
-        }
-        let ns = self.sinks.min(len + t).saturating_sub(len);
-        if ns > 0 {
-            for (rows, x) in [(&mut self.sink_k, &k16), (&mut self.sink_v, &v16)] {
-                if let Some(buf) = &mut rows.dev {
-                    buf.write(&x.narrow(1, 0, ns)?, len, 0)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Attention of the last `t` positions' queries `q` (`[heads, t, d]` f32, contiguous, on
     /// the device) with the checked parameters `p`.
     pub(super) fn attend_device(&self, q: &Tensor, t: usize, p: AttendParams) -> Result<Tensor> {
         let (_, c0, c1) = p.ranges(self.len - 1);
-        let codes = match (
-            c1 > c0,
-            self.key_codes.view(self.len)?,
-            self.val_codes.view(self.len)?,
-        ) {
-            (true, Some(kc), Some(vc)) => Some((kc, vc)),
-            _ => None,
-        };
+        let codes = self.codes.views(self.len)?.filter(|_| c1 > c0);
         #[cfg(feature = "cuda")]
         if t == 1
             && q.device().is_cuda()
             && [64, 128, 256].contains(&self.geom.head_dim)
-            && self.keys.kernel_data().is_some()
-            && self.values.kernel_data().is_some()
+            && self.codes.keys().kernel_data().is_some()
+            && self.codes.values().kernel_data().is_some()
         {
             return self.decode_cuda(q, p, codes);
         }
         let parts = match &codes {
-            Some((kc, vc)) => Some(compressed_attend(&self.keys, &self.values, p, q, kc, vc)?),
+            Some(codes) => Some(self.codes.attend(p, q, codes)?),
             None => None,
         };
         self.merge_tensors(q, parts, t, p)
-    }
-
-    /// `scale * q . mu` per query row, `[heads, t, 1]`, or None for an uncentered cache.
-    fn center_shift(&self, q: &Tensor, scale: f32) -> Result<Option<Tensor>> {
-        let Some(mu) = &self.mu_dev else {
-            return Ok(None);
-        };
-        let (nh, t, d) = q.dims3()?;
-        let kvh = self.geom.n_kv_heads;
-        let qs = q.reshape((kvh, nh / kvh * t, d))?;
-        Ok(Some(
-            (qs.matmul(mu)? * f64::from(scale))?.reshape((nh, t, 1))?,
-        ))
     }
 
     /// One decode step on CUDA: the fused kernel over the codes and the fp16 rows the query
@@ -117,35 +52,25 @@ impl CompressedCache {
         let (start, c0, c1) = p.ranges(pos);
         let exact = |sinks: &Fp16Rows, recent: &Fp16Rows| -> Result<Tensor> {
             let mut parts = Vec::with_capacity(2);
-            if c0 > start
-                && let Some(s) = sinks.dev.as_ref().map(|b| b.range(start, c0)).transpose()?
-            {
-                parts.extend(s);
+            if c0 > start {
+                parts.extend(sinks.dev_range(start, c0)?);
             }
-            if let Some(r) = recent
-                .dev
-                .as_ref()
-                .map(|b| b.range(c1, pos + 1))
-                .transpose()?
-            {
-                parts.extend(r);
-            }
+            parts.extend(recent.dev_range(c1, pos + 1)?);
             Ok(Tensor::cat(&parts, 1)?.unsqueeze(0)?)
         };
-        let (xk, xv) = (
-            exact(&self.sink_k, &self.recent_k)?,
-            exact(&self.sink_v, &self.recent_v)?,
-        );
+        let ((sink_k, recent_k), (sink_v, recent_v)) = (self.exact.keys(), self.exact.values());
+        let (xk, xv) = (exact(sink_k, recent_k)?, exact(sink_v, recent_v)?);
         let q4 = q.unsqueeze(0)?;
         let out = match codes {
             Some((kc, vc)) => {
                 let shift = self
-                    .center_shift(q, p.scale)?
+                    .center
+                    .shift(q, p.scale)?
                     .map(|s| s.reshape((1, nh)))
                     .transpose()?;
                 decode_attend_shifted(
-                    &*self.keys,
-                    &*self.values,
+                    &**self.codes.keys(),
+                    &**self.codes.values(),
                     p,
                     &q4,
                     &kc.unsqueeze(0)?,
@@ -186,39 +111,23 @@ impl CompressedCache {
         let group = nh / kvh;
         let len = self.len;
         // Exact columns: the sinks' rows `0..ns`, then the recent rows `rf..len`.
-        let ns = self.sinks.min(len);
+        let ns = self.exact.sinks().min(len);
         let rf = (0..t)
             .map(|r| p.ranges(p.first_pos + r).2)
             .min()
             .unwrap_or(len)
-            .max(self.recent_k.first)
+            .max(self.exact.first())
             .min(len);
         let cols = |sinks: &Fp16Rows, recent: &Fp16Rows| -> Result<Tensor> {
             let mut v = Vec::with_capacity(2);
             if ns > 0 {
-                v.extend(
-                    sinks
-                        .dev
-                        .as_ref()
-                        .map(|b| b.range(0, ns))
-                        .transpose()?
-                        .flatten(),
-                );
+                v.extend(sinks.dev_range(0, ns)?);
             }
-            v.extend(
-                recent
-                    .dev
-                    .as_ref()
-                    .map(|b| b.range(rf, len))
-                    .transpose()?
-                    .flatten(),
-            );
+            v.extend(recent.dev_range(rf, len)?);
             Ok(Tensor::cat(&v, 1)?.to_dtype(DType::F32)?)
         };
-        let (kx, vx) = (
-            cols(&self.sink_k, &self.recent_k)?,
-            cols(&self.sink_v, &self.recent_v)?,
-        );
+        let ((sink_k, recent_k), (sink_v, recent_v)) = (self.exact.keys(), self.exact.values());
+        let (kx, vx) = (cols(sink_k, recent_k)?, cols(sink_v, recent_v)?);
         let nx = kx.dim(1)?;
         let mut mask = vec![f32::NEG_INFINITY; t * nx];
         for (r, row) in mask.chunks_mut(nx.max(1)).enumerate().take(t) {
@@ -235,7 +144,7 @@ impl CompressedCache {
             }
         }
         let mask = Tensor::from_vec(mask, (t, nx), q.device())?;
-        let shift = self.center_shift(q, p.scale)?;
+        let shift = self.center.shift(q, p.scale)?;
         let step = (SCORE_BYTES / (4 * nh * nx.max(1))).clamp(1, t);
         let mut outs = Vec::with_capacity(t.div_ceil(step));
         for r0 in (0..t).step_by(step) {

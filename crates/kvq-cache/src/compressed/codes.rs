@@ -1,0 +1,120 @@
+//! The code rows of a compressed cache: a layer's key and value codecs and the packed per-head
+//! codes they wrote, one row per position, as device (or host) tensors the kernels read.
+//!
+//! Invariant: for a cache holding `len` positions, the key and value code rows hold positions
+//! `[first, len)` (rows past `len` after a truncation are stale, overwritten by the next
+//! append). A key row codes the key minus the key center (zero while it is pending or off, see
+//! `center.rs`); when the center is fixed every row so far is re-encoded around it, so the rows
+//! a query reads were all made with one center. `first` grows only under a sliding window, as
+//! rows no query can reach are dropped. An exact layer drops every row at its next append.
+
+use crate::Result;
+use crate::rowbuf::RowBuf;
+use candle_core::Tensor;
+use kvq_kernels::{
+    AttendParams, KeyCodec, ValueCodec, compressed_attend, encode_keys, encode_values,
+};
+use std::sync::Arc;
+
+/// The codecs of one layer and their code rows (see the module docs).
+pub(super) struct Codes {
+    keys: Arc<dyn KeyCodec>,
+    values: Arc<dyn ValueCodec>,
+    key_codes: RowBuf,
+    val_codes: RowBuf,
+    /// kv heads.
+    heads: usize,
+}
+
+impl Codes {
+    /// No rows yet, for `heads` kv heads.
+    pub(super) fn new(heads: usize, keys: Arc<dyn KeyCodec>, values: Arc<dyn ValueCodec>) -> Self {
+        Self {
+            key_codes: RowBuf::codes(heads, keys.code_bytes()),
+            val_codes: RowBuf::codes(heads, values.code_bytes()),
+            keys,
+            values,
+            heads,
+        }
+    }
+
+    /// The key codec (the fused CUDA decode step calls it directly).
+    #[cfg(feature = "cuda")]
+    pub(super) fn keys(&self) -> &Arc<dyn KeyCodec> {
+        &self.keys
+    }
+
+    /// The value codec.
+    #[cfg(feature = "cuda")]
+    pub(super) fn values(&self) -> &Arc<dyn ValueCodec> {
+        &self.values
+    }
+
+    /// The first position the code rows hold.
+    pub(super) fn first(&self) -> usize {
+        self.key_codes.first
+    }
+
+    /// Encodes and writes the key rows `keys` (`[kv heads, n, d]` f32, centered) for positions
+    /// `at..` and the value rows `values` (`[kv heads, t, d]` f32) for positions `len..`;
+    /// positions before `keep_from` may be dropped.
+    pub(super) fn write(
+        &mut self,
+        keys: &Tensor,
+        at: usize,
+        values: &Tensor,
+        len: usize,
+        keep_from: usize,
+    ) -> Result<()> {
+        self.key_codes
+            .write(&encode_keys(&self.keys, keys)?, at, keep_from)?;
+        self.val_codes
+            .write(&encode_values(&self.values, values)?, len, keep_from)?;
+        Ok(())
+    }
+
+    /// Drops every row: an exact layer reads every key from fp16, so codes would only take
+    /// memory.
+    pub(super) fn clear(&mut self) {
+        self.key_codes = RowBuf::codes(self.heads, self.keys.code_bytes());
+        self.val_codes = RowBuf::codes(self.heads, self.values.code_bytes());
+    }
+
+    /// The key and value code rows of positions `first..len`, as views; None before the first
+    /// write.
+    pub(super) fn views(&self, len: usize) -> Result<Option<(Tensor, Tensor)>> {
+        Ok(
+            match (self.key_codes.view(len)?, self.val_codes.view(len)?) {
+                (Some(kc), Some(vc)) => Some((kc, vc)),
+                _ => None,
+            },
+        )
+    }
+
+    /// The compressed op's partial states (`[heads, t, d + 2]`) of queries `q` over the code
+    /// rows `kc`, `vc` (from [`Self::views`]), with parameters `p`.
+    pub(super) fn attend(
+        &self,
+        p: AttendParams,
+        q: &Tensor,
+        (kc, vc): &(Tensor, Tensor),
+    ) -> Result<Tensor> {
+        Ok(compressed_attend(&self.keys, &self.values, p, q, kc, vc)?)
+    }
+
+    /// Bytes held: (keys, values).
+    pub(super) fn bytes(&self) -> (usize, usize) {
+        (self.key_codes.bytes(), self.val_codes.bytes())
+    }
+
+    /// An independent copy (the rows copied on their device; the codecs shared).
+    pub(super) fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            key_codes: self.key_codes.fork()?,
+            val_codes: self.val_codes.fork()?,
+            heads: self.heads,
+        })
+    }
+}

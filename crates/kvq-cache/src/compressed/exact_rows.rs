@@ -1,0 +1,294 @@
+//! The fp16 rows of a compressed cache: the recent window's keys and values and the sinks'
+//! (the first `sinks` positions), on the host for a CPU cache or in device buffers on a GPU,
+//! with the policy that drops the window rows no future query can need.
+//!
+//! Invariant: for a cache holding `len` positions, the recent rows hold positions
+//! `[first, len)` and the sink rows `[0, min(len, sinks))`, keys and values alike. `first`
+//! starts at 0 and only grows, in [`ExactRows::trim`], which the cache calls only once the key
+//! center no longer needs every row (`KeyCenter::holds_rows`, `center.rs`): until then the
+//! recent rows hold every key so far. A query at position `pos` reads the rows of
+//! `(pos - window, pos]` and of the sinks, so `first <= len + 1 - window` keeps every future
+//! query's rows. A device buffer may also hold stale rows past `len` after a truncation: they
+//! are overwritten by the next append and never read.
+
+use crate::rowbuf::{GROW_TOKENS, RowBuf};
+use crate::{CacheError, Result};
+use candle_core::{DType, Tensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// fp16 rows of one kind (keys or values) for a contiguous range of positions, per head: on
+/// the host for a CPU cache (its merge reads them row by row), in a device buffer on a GPU (the
+/// kernels read them there).
+#[derive(Default)]
+pub(super) struct Fp16Rows {
+    /// `[head][pos - first][d]`, one Vec per head (CPU).
+    rows: Vec<Vec<f16>>,
+    /// The first position held (any before it are gone).
+    first: usize,
+    /// `[heads, capacity, d]` f16 on the device, when the cache lives there.
+    dev: Option<RowBuf>,
+}
+
+impl Fp16Rows {
+    fn new(heads: usize) -> Self {
+        Self {
+            rows: vec![Vec::new(); heads],
+            first: 0,
+            dev: None,
+        }
+    }
+
+    /// The row of head `h` at position `pos` (held, on the host), as f32 into `out` (`d` long).
+    pub(super) fn row(&self, h: usize, pos: usize, d: usize, out: &mut [f32]) {
+        let i = (pos - self.first) * d;
+        self.rows[h][i..i + d].convert_to_f32_slice(out);
+    }
+
+    /// The device rows of positions `from..to` (`[heads, to - from, d]` f16), as a view; None
+    /// on the host or before the first write.
+    pub(super) fn dev_range(&self, from: usize, to: usize) -> Result<Option<Tensor>> {
+        Ok(match &self.dev {
+            Some(buf) => buf.range(from, to)?,
+            None => None,
+        })
+    }
+
+    fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            rows: self.rows.clone(),
+            first: self.first,
+            dev: self.dev.as_ref().map(RowBuf::fork).transpose()?,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match &self.dev {
+            Some(d) => d.bytes(),
+            None => self.rows.iter().map(|r| r.capacity() * 2).sum(),
+        }
+    }
+}
+
+/// The fp16 window and sink rows of one layer (see the module docs for what they hold).
+pub(super) struct ExactRows {
+    recent_k: Fp16Rows,
+    recent_v: Fp16Rows,
+    sink_k: Fp16Rows,
+    sink_v: Fp16Rows,
+    /// Recent positions a query reads from fp16 (at least 1).
+    window: usize,
+    /// First positions every query reads from fp16.
+    sinks: usize,
+    /// kv heads and head dimension.
+    heads: usize,
+    d: usize,
+}
+
+impl ExactRows {
+    /// No rows yet, on the host, for `heads` kv heads of dimension `d`.
+    pub(super) fn new(heads: usize, d: usize, window: usize, sinks: usize) -> Self {
+        Self {
+            recent_k: Fp16Rows::new(heads),
+            recent_v: Fp16Rows::new(heads),
+            sink_k: Fp16Rows::new(heads),
+            sink_v: Fp16Rows::new(heads),
+            window: window.max(1),
+            sinks,
+            heads,
+            d,
+        }
+    }
+
+    /// Recent positions a query reads from fp16.
+    pub(super) fn window(&self) -> usize {
+        self.window
+    }
+
+    /// First positions every query reads from fp16.
+    pub(super) fn sinks(&self) -> usize {
+        self.sinks
+    }
+
+    /// The first position the recent rows hold.
+    pub(super) fn first(&self) -> usize {
+        self.recent_k.first
+    }
+
+    /// Whether the rows live in device buffers.
+    pub(super) fn on_device(&self) -> bool {
+        self.recent_k.dev.is_some()
+    }
+
+    /// The key rows: (sinks, recent).
+    pub(super) fn keys(&self) -> (&Fp16Rows, &Fp16Rows) {
+        (&self.sink_k, &self.recent_k)
+    }
+
+    /// The value rows: (sinks, recent).
+    pub(super) fn values(&self) -> (&Fp16Rows, &Fp16Rows) {
+        (&self.sink_v, &self.recent_v)
+    }
+
+    /// Moves these (empty) rows to device buffers: a cache lives where its first keys came
+    /// from.
+    pub(super) fn use_device(&mut self) {
+        let (h, d) = (self.heads, self.d);
+        // The window's buffer grows (and is compacted) a window's length at a time.
+        let recent = (self.window + 1).next_power_of_two().clamp(16, GROW_TOKENS);
+        let sinks = self.sinks.max(1);
+        for (rows, step) in [
+            (&mut self.recent_k, recent),
+            (&mut self.recent_v, recent),
+            (&mut self.sink_k, sinks),
+            (&mut self.sink_v, sinks),
+        ] {
+            *rows = Fp16Rows {
+                dev: Some(RowBuf::new(h, d, DType::F16, step)),
+                ..Fp16Rows::new(h)
+            };
+        }
+    }
+
+    /// Appends the host rows of keys `kd` and values `vd` (`[kv heads][t][d]` f32) at
+    /// positions `len..len + t`, the first `sinks` also as sinks.
+    pub(super) fn push_host(&mut self, kd: &[f32], vd: &[f32], len: usize, t: usize) {
+        let d = self.d;
+        for h in 0..self.heads {
+            for i in 0..t {
+                let pos = len + i;
+                let (kr, vr) = (
+                    &kd[(h * t + i) * d..(h * t + i + 1) * d],
+                    &vd[(h * t + i) * d..(h * t + i + 1) * d],
+                );
+                let push = |rows: &mut Fp16Rows, x: &[f32]| {
+                    rows.rows[h].extend(x.iter().map(|&f| f16::from_f32(f)))
+                };
+                if pos < self.sinks {
+                    push(&mut self.sink_k, kr);
+                    push(&mut self.sink_v, vr);
+                }
+                push(&mut self.recent_k, kr);
+                push(&mut self.recent_v, vr);
+            }
+        }
+    }
+
+    /// Appends the device rows of keys `k` and values `v` (`[kv heads, t, d]` f32 on the
+    /// device) at positions `len..`, the first `sinks` also as sinks.
+    pub(super) fn push_device(&mut self, k: &Tensor, v: &Tensor, len: usize) -> Result<()> {
+        let t = k.dim(1)?;
+        let (k16, v16) = (k.to_dtype(DType::F16)?, v.to_dtype(DType::F16)?);
+        let keep = self.recent_k.first;
+        for (rows, x) in [(&mut self.recent_k, &k16), (&mut self.recent_v, &v16)] {
+            if let Some(buf) = &mut rows.dev {
+                buf.write(x, len, keep)?;
+            }
+        }
+        let ns = self.sinks.min(len + t).saturating_sub(len);
+        if ns > 0 {
+            for (rows, x) in [(&mut self.sink_k, &k16), (&mut self.sink_v, &v16)] {
+                if let Some(buf) = &mut rows.dev {
+                    buf.write(&x.narrow(1, 0, ns)?, len, 0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every key so far, positions `0..len` (`[kv head][len][d]` f32), for fixing the key
+    /// center: all are held then (`first` is 0 while it is pending). A device cache reads them
+    /// back, once.
+    pub(super) fn keys_from_start(&self, len: usize) -> Result<Vec<f32>> {
+        if let Some(buf) = &self.recent_k.dev
+            && let Some(rows) = buf.view(len)?
+        {
+            return Ok(rows.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let n = len * self.d;
+        let mut out = vec![0f32; self.heads * n];
+        for (h, rows) in self.recent_k.rows.iter().enumerate() {
+            rows[..n].convert_to_f32_slice(&mut out[h * n..(h + 1) * n]);
+        }
+        Ok(out)
+    }
+
+    /// Drops the window rows no future query can need once the cache holds `len` positions:
+    /// all but the last `window - 1` (a later query sits at `len` or past it). The caller
+    /// skips this while every row must stay (`KeyCenter::holds_rows`).
+    pub(super) fn trim(&mut self, len: usize) -> Result<()> {
+        let d = self.d;
+        let keep_from = len.saturating_sub(self.window - 1);
+        if keep_from <= self.recent_k.first {
+            return Ok(());
+        }
+        if self.recent_k.dev.is_some() {
+            let keep = self.window + 1;
+            for rows in [&mut self.recent_k, &mut self.recent_v] {
+                rows.first = keep_from;
+                if let Some(buf) = &mut rows.dev {
+                    buf.shrink(len, keep_from, keep)?;
+                }
+            }
+            return Ok(());
+        }
+        let drop = (keep_from - self.recent_k.first) * d;
+        for rows in [&mut self.recent_k, &mut self.recent_v] {
+            for r in rows.rows.iter_mut() {
+                r.drain(..drop.min(r.len()));
+                // After a long prompt chunk, give the memory back: keep room for the window.
+                if r.capacity() > (self.window + 1) * d * 5 / 4 {
+                    r.shrink_to((self.window + 1) * d);
+                }
+            }
+            rows.first = keep_from;
+        }
+        Ok(())
+    }
+
+    /// Whether a truncation to `n` positions keeps the rows a query at position `n` reads
+    /// (those from `n + 1 - window` on, or the sinks).
+    pub(super) fn check_truncate(&self, n: usize) -> Result<()> {
+        let needed = (n + 1).saturating_sub(self.window).max(self.sinks);
+        if self.recent_k.first > needed {
+            return Err(CacheError::Shape(format!(
+                "cannot truncate to {n}: the fp16 rows from position {needed} are gone"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Forgets the rows of positions `n..` (host rows; device rows past `n` are overwritten by
+    /// later appends).
+    pub(super) fn truncate(&mut self, n: usize) {
+        let d = self.d;
+        for h in 0..self.heads {
+            for rows in [&mut self.recent_k, &mut self.recent_v] {
+                let keep = n.saturating_sub(rows.first) * d;
+                rows.rows[h].truncate(keep);
+            }
+            for rows in [&mut self.sink_k, &mut self.sink_v] {
+                rows.rows[h].truncate(n.min(self.sinks) * d);
+            }
+        }
+    }
+
+    /// Bytes held: (keys, values).
+    pub(super) fn bytes(&self) -> (usize, usize) {
+        (
+            self.recent_k.bytes() + self.sink_k.bytes(),
+            self.recent_v.bytes() + self.sink_v.bytes(),
+        )
+    }
+
+    /// An independent copy (device buffers copied on their device).
+    pub(super) fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            recent_k: self.recent_k.fork()?,
+            recent_v: self.recent_v.fork()?,
+            sink_k: self.sink_k.fork()?,
+            sink_v: self.sink_v.fork()?,
+            ..*self
+        })
+    }
+}
