@@ -39,32 +39,9 @@ pub fn default_model_path() -> PathBuf {
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// Resolves a Hugging Face id (`org/name`, optionally `org/name@revision`) to its snapshot in
-/// the local hub cache (`$HF_HUB_CACHE`, `$HF_HOME/hub` or `~/.cache/huggingface/hub`), offline.
-pub fn resolve_hf_id(id: &str) -> Option<PathBuf> {
-    let (repo, rev) = id.split_once('@').unwrap_or((id, "main"));
-    let (org, name) = repo.split_once('/')?;
-    if org.is_empty() || name.is_empty() || name.contains('/') {
-        return None;
-    }
-    let hub = std::env::var_os("HF_HUB_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HF_HOME").map(|h| PathBuf::from(h).join("hub")))
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/hub"))
-        })?;
-    let repo_dir = hub.join(format!("models--{org}--{name}"));
-    // A revision is a ref name (refs/<rev> holds the commit) or a commit hash itself.
-    let commit = std::fs::read_to_string(repo_dir.join("refs").join(rev))
-        .map(|c| c.trim().to_string())
-        .unwrap_or_else(|_| rev.to_string());
-    let snap = repo_dir.join("snapshots").join(commit);
-    snap.is_dir().then_some(snap)
-}
-
-/// Loads a GGUF file (any part of a split one loads them all), a Hugging Face directory
-/// (config.json, *.safetensors, tokenizer.json), or a Hugging Face id already in the local hub
-/// cache, on the CPU. `progress(done, total)` reports layers loaded.
+/// Loads a GGUF file (any part of a split one loads them all) or a Hugging Face directory
+/// (config.json, *.safetensors, tokenizer.json) on the CPU. `progress(done, total)` reports
+/// layers loaded. Hub ids are resolved to such paths first (the `kvq-hub` crate).
 pub fn load(path: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
     load_on(path, &Device::Cpu, progress)
 }
@@ -77,18 +54,6 @@ pub fn load_on(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<LoadedModel> {
     let device = device.clone();
-    let resolved;
-    let path = if path.exists() {
-        path
-    } else if let Some(p) = path.to_str().and_then(resolve_hf_id) {
-        resolved = p;
-        resolved.as_path()
-    } else {
-        return Err(ModelError::Invalid(format!(
-            "{} is neither a file, a directory, nor a Hugging Face id in the local hub cache",
-            path.display()
-        )));
-    };
     let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
     if meta.is_dir() {
         load_hf_dir(path, &device, progress)
@@ -406,31 +371,5 @@ mod tests {
         std::fs::write(dir.join("model-00002-of-00002.safetensors"), b"").unwrap();
         assert_eq!(safetensors_files(&dir).unwrap().len(), 2);
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn hf_ids_resolve_to_cached_snapshots() {
-        let hub = std::env::temp_dir().join(format!("kvq-hub-{}", std::process::id()));
-        let repo = hub.join("models--org--tiny");
-        std::fs::create_dir_all(repo.join("refs")).unwrap();
-        std::fs::create_dir_all(repo.join("snapshots/abc123")).unwrap();
-        std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
-        // SAFETY: this test is the only one in the crate touching HF_HUB_CACHE.
-        unsafe { std::env::set_var("HF_HUB_CACHE", &hub) };
-        assert_eq!(
-            resolve_hf_id("org/tiny"),
-            Some(repo.join("snapshots/abc123"))
-        );
-        assert_eq!(
-            resolve_hf_id("org/tiny@abc123"),
-            Some(repo.join("snapshots/abc123"))
-        );
-        assert_eq!(resolve_hf_id("org/other"), None);
-        assert_eq!(resolve_hf_id("not-an-id"), None);
-        let err = load(Path::new("org/missing"), &mut |_, _| {})
-            .err()
-            .unwrap();
-        assert!(err.to_string().contains("hub cache"), "{err}");
-        std::fs::remove_dir_all(&hub).unwrap();
     }
 }
