@@ -210,21 +210,26 @@ fn hub_error(status: StatusCode, code: &str, message: &str) -> Response {
 }
 
 /// The repository `org/name` at `rev`, or the Hub's error for it.
-fn find<'a>(state: &'a Inner, org: &str, name: &str, rev: &str) -> Result<&'a HubRepo, Response> {
+fn find<'a>(
+    state: &'a Inner,
+    org: &str,
+    name: &str,
+    rev: &str,
+) -> Result<&'a HubRepo, Box<Response>> {
     let id = format!("{org}/{name}");
     let repo = state.repos.iter().find(|r| r.id == id).ok_or_else(|| {
-        hub_error(
+        Box::new(hub_error(
             StatusCode::UNAUTHORIZED,
             "RepoNotFound",
             "Repository Not Found for url: the repository does not exist or is private",
-        )
+        ))
     })?;
     if rev != "main" && rev != repo.commit {
-        return Err(hub_error(
+        return Err(Box::new(hub_error(
             StatusCode::NOT_FOUND,
             "RevisionNotFound",
             &format!("Invalid rev id: {rev}"),
-        ));
+        )));
     }
     Ok(repo)
 }
@@ -236,7 +241,7 @@ async fn listing(
     count(&state);
     let repo = match find(&state, &org, &name, &rev) {
         Ok(r) => r,
-        Err(e) => return e,
+        Err(e) => return *e,
     };
     let siblings: Vec<serde_json::Value> = repo
         .files
@@ -269,7 +274,7 @@ async fn resolve(
     count(&state);
     let repo = match find(&state, &org, &name, &rev) {
         Ok(r) => r,
-        Err(e) => return e,
+        Err(e) => return *e,
     };
     if let Some(token) = &repo.token {
         let sent = headers
@@ -400,11 +405,11 @@ fn stream_body(state: Arc<Inner>, file: String, part: Bytes, offset: u64) -> Bod
         let mut faults = state.faults.lock().expect("lock");
         for f in faults.iter_mut() {
             match f {
-                Fault::Cut { file: n, at, times } if *n == file && *times > 0 => {
-                    if (offset..end).contains(at) {
-                        *times -= 1;
-                        stop = Some((*at, true));
-                    }
+                Fault::Cut { file: n, at, times }
+                    if *n == file && *times > 0 && (offset..end).contains(at) =>
+                {
+                    *times -= 1;
+                    stop = Some((*at, true));
                 }
                 Fault::Stall { file: n, at } if *n == file && (offset..end).contains(at) => {
                     stop = Some((*at, false));
