@@ -207,6 +207,8 @@ fn a_gguf_by_quant_downloads_through_a_cut_then_serves_offline_and_without_the_h
         server.log_text()
     );
     lists_and_chats(&server, &given);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&home);
     eprintln!("gguf hub test: {:.1} s", started.elapsed().as_secs_f64());
 }
 
@@ -259,6 +261,9 @@ fn a_split_gguf_download_killed_halfway_resumes_in_the_next_run() {
             want
         );
     }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&home);
+    let _ = std::fs::remove_dir_all(&parts_dir);
     eprintln!("split hub test: {:.1} s", started.elapsed().as_secs_f64());
 }
 
@@ -447,6 +452,7 @@ fn kvq_and_the_python_huggingface_hub_read_each_others_downloads() {
     };
     assert_eq!(sums(&found), sums(&fetched));
     assert_eq!(sums(&found).len(), files.len());
+    let _ = std::fs::remove_dir_all(&home);
     eprintln!(
         "python interop hub test: {:.1} s",
         started.elapsed().as_secs_f64()
