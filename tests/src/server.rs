@@ -39,11 +39,19 @@ pub struct Server {
 impl Server {
     /// Starts `kvq serve --port 0` with extra `args`, waiting until it listens.
     pub fn start(args: &[&str]) -> Server {
+        Self::start_on("127.0.0.1", args, &[])
+    }
+
+    /// Starts `kvq serve --host HOST --port 0` with extra `args` and environment `env`.
+    pub fn start_on(host: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(kvq_bin())
             .arg("serve")
-            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--host", host, "--port", "0"])
             .args(args)
             .env("RUST_LOG", "info")
+            // A key in the developer's environment would lock every other test out.
+            .env_remove("KVQ_API_KEY")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

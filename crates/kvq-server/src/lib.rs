@@ -2,6 +2,7 @@
 //! request validation, errors (mapped to HTTP in one place, `error.rs`), SSE streaming and
 //! Prometheus metrics. The `kvq` binary (`main.rs`, `cli/`) is built on this library.
 
+pub mod auth;
 pub mod cache_select;
 pub mod calibration;
 pub mod error;
@@ -19,4 +20,4 @@ pub use error::ApiError;
 pub use metrics::install_metrics;
 pub use routes::router;
 pub use server::serve;
-pub use state::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};
+pub use state::{Access, AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};

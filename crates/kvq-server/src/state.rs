@@ -1,5 +1,5 @@
 //! `AppState`, what every handler shares: the engine handle, the cache registry, the metrics
-//! handle and the server's request limits.
+//! handle, the server's request limits and who may call it.
 
 use kvq_cache::CacheRegistry;
 use kvq_engine::Engine;
@@ -27,6 +27,14 @@ impl Default for ServerLimits {
     }
 }
 
+/// Who may call the server: with keys, every `/v1` route needs one (`auth.rs`); `/health`
+/// never does, `/metrics` when `metrics_need_key`.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    pub keys: Option<Arc<crate::auth::ApiKeys>>,
+    pub metrics_need_key: bool,
+}
+
 /// Shared by every handler; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -34,4 +42,5 @@ pub struct AppState {
     pub registry: Arc<CacheRegistry>,
     pub metrics: PrometheusHandle,
     pub limits: ServerLimits,
+    pub access: Access,
 }

@@ -30,6 +30,7 @@ fn shared() -> &'static Shared {
                 max_body_bytes: TEST_BODY_LIMIT,
                 ..ServerLimits::default()
             },
+            access: kvq_server::Access::default(),
         };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

@@ -6,6 +6,7 @@ use super::model::{load_with_progress, resolve_model_path};
 use anyhow::Context;
 use clap::Args;
 use kvq_engine::{Engine, EngineConfig};
+use kvq_server::auth::ApiKeys;
 use kvq_server::calibration::registry_for;
 use kvq_server::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits, install_metrics, serve};
 use std::path::PathBuf;
@@ -48,6 +49,16 @@ pub struct ServeArgs {
     /// when it exists].
     #[arg(long)]
     pub cache_presets: Option<PathBuf>,
+    /// Require `Authorization: Bearer <key>` on every /v1 route with this key (also
+    /// `KVQ_API_KEY`); without a key the API is open.
+    #[arg(long, env = "KVQ_API_KEY", hide_env_values = true)]
+    pub api_key: Option<kvq_server::auth::SecretKey>,
+    /// A file of accepted keys, one per line (`#` comments), besides or instead of --api-key.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Put /metrics behind the API key too (it is open by default, like /health).
+    #[arg(long)]
+    pub metrics_need_key: bool,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -64,6 +75,8 @@ struct FileConfig {
     default_kv_cache_method: Option<String>,
     cache_presets: Option<PathBuf>,
     device: Option<String>,
+    api_key_file: Option<PathBuf>,
+    metrics_need_key: Option<bool>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -78,6 +91,7 @@ struct Settings {
     max_n: usize,
     default_method: Option<String>,
     cache_presets: Option<PathBuf>,
+    access: kvq_server::Access,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -122,6 +136,14 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .default_kv_cache_method
             .or(file.default_kv_cache_method),
         cache_presets: args.cache_presets.or(file.cache_presets),
+        access: kvq_server::Access {
+            keys: ApiKeys::from_flags(
+                args.api_key.as_ref().map(|k| k.0.as_str()),
+                args.api_key_file.or(file.api_key_file).as_deref(),
+            )?
+            .map(Arc::new),
+            metrics_need_key: args.metrics_need_key || file.metrics_need_key.unwrap_or(false),
+        },
     })
 }
 
@@ -153,6 +175,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             max_n: args.max_n,
         },
+        access: args.access.clone(),
     };
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
@@ -160,6 +183,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let addr = listener
         .local_addr()
         .context("could not read the bound address")?;
+    match &args.access.keys {
+        Some(keys) => tracing::info!(keys = keys.len(), "API keys required on /v1"),
+        None if !addr.ip().is_loopback() => tracing::warn!(
+            %addr,
+            "listening beyond this machine without an API key: anyone who can reach it may use \
+             it (set --api-key or KVQ_API_KEY)"
+        ),
+        None => {}
+    }
     eprintln!("kvq listening on http://{addr}");
     serve(listener, state).await.context("the server failed")?;
     tracing::info!("stopped");
@@ -183,6 +215,9 @@ mod tests {
             max_n: None,
             default_kv_cache_method: None,
             cache_presets: None,
+            api_key: None,
+            api_key_file: None,
+            metrics_need_key: false,
         }
     }
 

@@ -22,17 +22,28 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
 /// Every route, with the body limit from `state.limits`, `kvq_requests_total` counting,
-/// request tracing, and a JSON 500 for a handler that panics.
+/// request tracing, a JSON 500 for a handler that panics, and the API keys of `state.access`
+/// on the `/v1` routes (and `/metrics` if asked).
 pub fn router(state: AppState) -> Router {
     let limit = state.limits.max_body_bytes;
-    let routes = Router::new()
+    let mut keyed = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::list_models))
-        .route("/v1/models/{*id}", get(models::get_model))
-        .route("/health", get(health::health))
-        .route("/metrics", get(metrics::metrics));
-    with_layers(routes, limit).with_state(state)
+        .route("/v1/models/{*id}", get(models::get_model));
+    let mut open = Router::new().route("/health", get(health::health));
+    let metrics = get(metrics::metrics);
+    match state.access.metrics_need_key {
+        true => keyed = keyed.route("/metrics", metrics),
+        false => open = open.route("/metrics", metrics),
+    }
+    if let Some(keys) = &state.access.keys {
+        keyed = keyed.route_layer(axum::middleware::from_fn_with_state(
+            keys.clone(),
+            crate::auth::require_key,
+        ));
+    }
+    with_layers(keyed.merge(open), limit).with_state(state)
 }
 
 /// The JSON 404/405 fallbacks and the layers every route gets (body limit, metrics, panic
