@@ -82,6 +82,18 @@ impl Server {
         Server { child, base, log }
     }
 
+    /// Waits up to `timeout` for the process to exit on its own; its status, or None.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < end {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
     /// The OS process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

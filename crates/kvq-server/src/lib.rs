@@ -8,6 +8,7 @@ pub mod calibration;
 pub mod error;
 pub mod extract;
 pub mod generation;
+pub mod lifecycle;
 pub mod metrics;
 pub mod openai;
 pub mod routes;

@@ -306,38 +306,48 @@ impl ChunkWriter {
 
 /// Drives `writer` over the engine's events and yields SSE events until `[DONE]`.
 /// `on_event` sees every engine event first (for metrics). The returned stream owns `events`
-/// (and so the engine receivers): dropping it cancels the generation.
+/// (and so the engine receivers): dropping it cancels the generation. When `cut` resolves
+/// (the server's shutdown grace is over) the stream ends with an error event and `[DONE]`.
 pub fn sse_stream<S>(
     events: S,
     writer: ChunkWriter,
     opening: Vec<SseItem>,
     on_event: impl Fn(&GenerationEvent) + Send + 'static,
+    cut: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static
 where
     S: Stream<Item = (usize, GenerationEvent)> + Send + Unpin + 'static,
 {
     let queue: VecDeque<SseItem> = opening.into();
-    let state = (Some(events), writer, queue, on_event);
+    let cut: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> = Box::pin(cut);
+    let state = (Some(events), writer, queue, on_event, cut);
     futures::stream::unfold(
         state,
-        |(mut events, mut writer, mut queue, on_event)| async move {
+        |(mut events, mut writer, mut queue, on_event, mut cut)| async move {
             loop {
                 if let Some(item) = queue.pop_front() {
-                    return Some((Ok(item.into_event()), (events, writer, queue, on_event)));
+                    return Some((
+                        Ok(item.into_event()),
+                        (events, writer, queue, on_event, cut),
+                    ));
                 }
                 if writer.is_done() {
                     return None;
                 }
                 let next = match events.as_mut() {
-                    Some(s) => s.next().await,
-                    None => None,
+                    Some(s) => tokio::select! {
+                        next = s.next() => Some(next),
+                        () = &mut cut => None,
+                    },
+                    None => Some(None),
                 };
                 let items = match next {
-                    Some((index, event)) => {
+                    Some(Some((index, event))) => {
                         on_event(&event);
                         writer.on_event(index, event)
                     }
-                    None => writer.on_closed(),
+                    Some(None) => writer.on_closed(),
+                    None => writer.error(crate::routes::shutting_down()),
                 };
                 queue.extend(items);
                 if writer.is_done() {

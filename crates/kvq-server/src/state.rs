@@ -43,4 +43,6 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     pub limits: ServerLimits,
     pub access: Access,
+    /// Draining and cutting streams at shutdown (`lifecycle.rs`).
+    pub lifecycle: Arc<crate::lifecycle::Lifecycle>,
 }

@@ -31,6 +31,7 @@ fn shared() -> &'static Shared {
                 ..ServerLimits::default()
             },
             access: kvq_server::Access::default(),
+            lifecycle: Default::default(),
         };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

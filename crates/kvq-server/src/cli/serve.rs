@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// Put /metrics behind the API key too (it is open by default, like /health).
     #[arg(long)]
     pub metrics_need_key: bool,
+    /// Seconds open requests may run on after SIGTERM / ctrl-c (new ones get 503 meanwhile);
+    /// then open streams end with an error event [default: 30].
+    #[arg(long)]
+    pub shutdown_grace: Option<f64>,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -77,6 +81,7 @@ struct FileConfig {
     device: Option<String>,
     api_key_file: Option<PathBuf>,
     metrics_need_key: Option<bool>,
+    shutdown_grace: Option<f64>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -92,6 +97,7 @@ struct Settings {
     default_method: Option<String>,
     cache_presets: Option<PathBuf>,
     access: kvq_server::Access,
+    shutdown_grace: std::time::Duration,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -144,6 +150,12 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .map(Arc::new),
             metrics_need_key: args.metrics_need_key || file.metrics_need_key.unwrap_or(false),
         },
+        shutdown_grace: {
+            let s = args.shutdown_grace.or(file.shutdown_grace).unwrap_or(30.0);
+            std::time::Duration::try_from_secs_f64(s).map_err(|_| {
+                anyhow::anyhow!("--shutdown-grace must be 0 or more seconds, got {s}")
+            })?
+        },
     })
 }
 
@@ -176,6 +188,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_n: args.max_n,
         },
         access: args.access.clone(),
+        lifecycle: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
@@ -193,7 +206,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => {}
     }
     eprintln!("kvq listening on http://{addr}");
-    serve(listener, state).await.context("the server failed")?;
+    serve(listener, state, args.shutdown_grace)
+        .await
+        .context("the server failed")?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -218,6 +233,7 @@ mod tests {
             api_key: None,
             api_key_file: None,
             metrics_need_key: false,
+            shutdown_grace: None,
         }
     }
 

@@ -22,8 +22,8 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
 /// Every route, with the body limit from `state.limits`, `kvq_requests_total` counting,
-/// request tracing, a JSON 500 for a handler that panics, and the API keys of `state.access`
-/// on the `/v1` routes (and `/metrics` if asked).
+/// request tracing, a JSON 500 for a handler that panics, the API keys of `state.access` on
+/// the `/v1` routes (and `/metrics` if asked), and 503 for everything while the server drains.
 pub fn router(state: AppState) -> Router {
     let limit = state.limits.max_body_bytes;
     let mut keyed = Router::new()
@@ -43,7 +43,13 @@ pub fn router(state: AppState) -> Router {
             crate::auth::require_key,
         ));
     }
-    with_layers(keyed.merge(open), limit).with_state(state)
+    let routes = keyed
+        .merge(open)
+        .layer(axum::middleware::from_fn_with_state(
+            state.lifecycle.clone(),
+            crate::lifecycle::refuse_while_draining,
+        ));
+    with_layers(routes, limit).with_state(state)
 }
 
 /// The JSON 404/405 fallbacks and the layers every route gets (body limit, metrics, panic
@@ -83,7 +89,8 @@ fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
 
 /// The SSE response shared by chat and completions: the writer's opening chunk (`echo` text for
 /// completions), every choice's events merged, usage recorded as choices finish, and the
-/// resolved cache method in the `x-kv-cache-method` header.
+/// resolved cache method in the `x-kv-cache-method` header; `cut` ends it early (shutdown).
+#[allow(clippy::too_many_arguments)]
 pub fn stream_response(
     kind: crate::sse::StreamKind,
     meta: crate::sse::StreamMeta,
@@ -91,6 +98,7 @@ pub fn stream_response(
     rxs: Vec<kvq_engine::GenerationStream>,
     echo: Option<&str>,
     cache_method: &str,
+    cut: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Response {
     let mut writer = crate::sse::ChunkWriter::new(
         kind,
@@ -105,8 +113,19 @@ pub fn stream_response(
         writer,
         opening,
         crate::generation::record_finished,
+        cut,
     );
     with_cache_header(crate::sse::into_sse(stream).into_response(), cache_method)
+}
+
+/// What a request still open when the shutdown grace ends gets (a 503, or a stream's last
+/// event).
+pub fn shutting_down() -> ApiError {
+    ApiError::Unavailable(
+        "The server is shutting down: this request was still running when its shutdown grace \
+         period ended."
+            .into(),
+    )
 }
 
 /// Adds `x-kv-cache-method: <name>` to a response.
