@@ -1,7 +1,8 @@
 //! Graceful shutdown of the real `kvq serve` process: on SIGTERM new requests get 503 (with
 //! `Retry-After`), a stream that finishes within `--shutdown-grace` ends normally, one still
 //! running when the grace is over ends with an SSE error event and `[DONE]`, and the process
-//! exits 0.
+//! exits 0; and `--request-timeout` ends a request that runs too long the same way (408 for a
+//! plain request), freeing its sequence.
 
 use futures::StreamExt;
 use kvq_tests::default_gguf;
@@ -149,4 +150,79 @@ fn sigterm_drains_then_cuts_then_exits_zero() {
     assert!(status.success(), "exit status {status:?}");
     let log = server.log.lock().map(|l| l.join("\n")).unwrap_or_default();
     assert!(log.contains("shutdown grace over"), "{log}");
+}
+
+#[test]
+fn a_request_past_the_timeout_ends_with_an_error_and_frees_its_sequence() {
+    let model = default_gguf();
+    let server = Server::start_on(
+        "127.0.0.1",
+        &[
+            "--model",
+            model.to_str().expect("utf-8 path"),
+            "--request-timeout",
+            "1.5",
+        ],
+        &[],
+    );
+    let base = server.base.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        let models: serde_json::Value = client
+            .get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .expect("models")
+            .json()
+            .await
+            .expect("models json");
+        let id = models["data"][0]["id"].as_str().expect("id").to_string();
+        let start = Instant::now();
+        let text = rest(open_stream(&client, &base, &id, 4000).await).await;
+        let took = start.elapsed();
+        let err_at = text
+            .find("data: {\"error\"")
+            .unwrap_or_else(|| panic!("no error event: {text}"));
+        assert!(
+            text[err_at..].contains("request_timeout"),
+            "{}",
+            &text[err_at..]
+        );
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert!(
+            took >= Duration::from_millis(1400) && took < Duration::from_secs(10),
+            "{took:?}"
+        );
+        let resp = client
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({
+                "model": id, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 4000, "temperature": 0
+            }))
+            .send()
+            .await
+            .expect("plain request");
+        assert_eq!(resp.status().as_u16(), 408);
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+        // Both sequences were freed: nothing runs or waits a moment later.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let health: serde_json::Value = client
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .expect("health")
+            .json()
+            .await
+            .expect("health json");
+        assert_eq!(
+            (health["running"].as_u64(), health["waiting"].as_u64()),
+            (Some(0), Some(0)),
+            "{health}"
+        );
+    });
 }

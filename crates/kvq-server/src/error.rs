@@ -50,6 +50,9 @@ pub enum ApiError {
     /// failed or its preset is misconfigured (503, no retry hint; `param` names the header).
     #[error("{message}")]
     MethodUnavailable { message: String, param: String },
+    /// The request ran past the server's `--request-timeout` (408, `request_timeout`).
+    #[error("{0}")]
+    Timeout(String),
     /// A bug or an unexpected failure (500).
     #[error("{0}")]
     Internal(String),
@@ -104,6 +107,7 @@ impl ApiError {
             | Self::ContextLengthExceeded { .. }
             | Self::MaxTokensTooLarge(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -119,6 +123,7 @@ impl ApiError {
         match self {
             Self::InvalidRequest { .. }
             | Self::Unauthorized(_)
+            | Self::Timeout(_)
             | Self::ModelNotFound { .. }
             | Self::MethodNotAllowed(_)
             | Self::RequestTooLarge { .. }
@@ -151,6 +156,7 @@ impl ApiError {
             Self::InvalidRequest { code, .. } => code.as_deref(),
             Self::ModelNotFound { .. } => Some("model_not_found"),
             Self::Unauthorized(_) => Some("invalid_api_key"),
+            Self::Timeout(_) => Some("request_timeout"),
             Self::NotFound(_) => Some("not_found"),
             Self::MethodNotAllowed(_) => Some("method_not_allowed"),
             Self::RequestTooLarge { .. } => Some("request_too_large"),

@@ -306,29 +306,31 @@ impl ChunkWriter {
 
 /// Drives `writer` over the engine's events and yields SSE events until `[DONE]`.
 /// `on_event` sees every engine event first (for metrics). The returned stream owns `events`
-/// (and so the engine receivers): dropping it cancels the generation. When `cut` resolves
-/// (the server's shutdown grace is over) the stream ends with an error event and `[DONE]`.
+/// (and so the engine receivers): dropping it cancels the generation. When `stop` resolves
+/// (the shutdown grace or the request timeout is over) the stream ends with its error as an
+/// event and `[DONE]`.
 pub fn sse_stream<S>(
     events: S,
     writer: ChunkWriter,
     opening: Vec<SseItem>,
     on_event: impl Fn(&GenerationEvent) + Send + 'static,
-    cut: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ApiError> + Send + 'static,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static
 where
     S: Stream<Item = (usize, GenerationEvent)> + Send + Unpin + 'static,
 {
     let queue: VecDeque<SseItem> = opening.into();
-    let cut: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> = Box::pin(cut);
-    let state = (Some(events), writer, queue, on_event, cut);
+    let stop: std::pin::Pin<Box<dyn std::future::Future<Output = ApiError> + Send>> =
+        Box::pin(stop);
+    let state = (Some(events), writer, queue, on_event, stop);
     futures::stream::unfold(
         state,
-        |(mut events, mut writer, mut queue, on_event, mut cut)| async move {
+        |(mut events, mut writer, mut queue, on_event, mut stop)| async move {
             loop {
                 if let Some(item) = queue.pop_front() {
                     return Some((
                         Ok(item.into_event()),
-                        (events, writer, queue, on_event, cut),
+                        (events, writer, queue, on_event, stop),
                     ));
                 }
                 if writer.is_done() {
@@ -336,18 +338,18 @@ where
                 }
                 let next = match events.as_mut() {
                     Some(s) => tokio::select! {
-                        next = s.next() => Some(next),
-                        () = &mut cut => None,
+                        next = s.next() => Ok(next),
+                        err = &mut stop => Err(err),
                     },
-                    None => Some(None),
+                    None => Ok(None),
                 };
                 let items = match next {
-                    Some(Some((index, event))) => {
+                    Ok(Some((index, event))) => {
                         on_event(&event);
                         writer.on_event(index, event)
                     }
-                    Some(None) => writer.on_closed(),
-                    None => writer.error(crate::routes::shutting_down()),
+                    Ok(None) => writer.on_closed(),
+                    Err(err) => writer.error(err),
                 };
                 queue.extend(items);
                 if writer.is_done() {

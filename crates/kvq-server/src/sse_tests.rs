@@ -228,7 +228,7 @@ async fn sse_stream_drops_receivers_when_done_or_dropped() {
         w,
         opening,
         |_| {},
-        std::future::pending(),
+        std::future::pending::<crate::error::ApiError>(),
     );
     let mut stream = Box::pin(stream);
     assert!(stream.next().await.is_some());
@@ -247,7 +247,7 @@ async fn sse_stream_drops_receivers_when_done_or_dropped() {
         w,
         Vec::new(),
         |_| {},
-        std::future::pending(),
+        std::future::pending::<crate::error::ApiError>(),
     );
     tx.send(finished(FinishReason::Stop, 1)).unwrap();
     let events: Vec<_> = stream.collect().await;

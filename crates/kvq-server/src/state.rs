@@ -16,6 +16,8 @@ pub struct ServerLimits {
     pub max_body_bytes: usize,
     /// Largest `n` (choices per request) accepted.
     pub max_n: usize,
+    /// How long one request may run (a stream then ends with an error event); None: no limit.
+    pub request_timeout: Option<std::time::Duration>,
 }
 
 impl Default for ServerLimits {
@@ -23,6 +25,7 @@ impl Default for ServerLimits {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_n: 1,
+            request_timeout: None,
         }
     }
 }

@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// then open streams end with an error event [default: 30].
     #[arg(long)]
     pub shutdown_grace: Option<f64>,
+    /// Seconds one request may run; then a stream ends with an error event and a plain
+    /// request gets 408, and its sequence is freed [default: no limit].
+    #[arg(long)]
+    pub request_timeout: Option<f64>,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -82,6 +86,7 @@ struct FileConfig {
     api_key_file: Option<PathBuf>,
     metrics_need_key: Option<bool>,
     shutdown_grace: Option<f64>,
+    request_timeout: Option<f64>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -98,6 +103,7 @@ struct Settings {
     cache_presets: Option<PathBuf>,
     access: kvq_server::Access,
     shutdown_grace: std::time::Duration,
+    request_timeout: Option<std::time::Duration>,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -150,13 +156,22 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .map(Arc::new),
             metrics_need_key: args.metrics_need_key || file.metrics_need_key.unwrap_or(false),
         },
-        shutdown_grace: {
-            let s = args.shutdown_grace.or(file.shutdown_grace).unwrap_or(30.0);
-            std::time::Duration::try_from_secs_f64(s).map_err(|_| {
-                anyhow::anyhow!("--shutdown-grace must be 0 or more seconds, got {s}")
-            })?
-        },
+        shutdown_grace: seconds(
+            "--shutdown-grace",
+            args.shutdown_grace.or(file.shutdown_grace).unwrap_or(30.0),
+        )?,
+        request_timeout: args
+            .request_timeout
+            .or(file.request_timeout)
+            .map(|s| seconds("--request-timeout", s))
+            .transpose()?,
     })
+}
+
+/// `s` seconds as a duration; negative, NaN or infinite is an error naming `flag`.
+fn seconds(flag: &str, s: f64) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds, 0 or more; got {s}"))
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -186,6 +201,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         limits: ServerLimits {
             max_body_bytes: args.max_body_bytes,
             max_n: args.max_n,
+            request_timeout: args.request_timeout,
         },
         access: args.access.clone(),
         lifecycle: Default::default(),
@@ -234,6 +250,7 @@ mod tests {
             api_key_file: None,
             metrics_need_key: false,
             shutdown_grace: None,
+            request_timeout: None,
         }
     }
 

@@ -8,7 +8,7 @@ use crate::generation::{Collected, collect_all, new_id, submit_all, unix_now};
 use crate::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, TextCompletion, UsageOut,
 };
-use crate::routes::{shutting_down, stream_response, tokenize_blocking, with_cache_header};
+use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_header};
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::validate::{Prompt, check_token_ids, validate_completion};
@@ -81,13 +81,13 @@ pub async fn completions(
             rxs,
             echo_text.as_deref(),
             &cache.name,
-            state.lifecycle.cut_signal(),
+            stop_signal(&state),
         ));
     }
 
     let results = tokio::select! {
         r = collect_all(rxs, PROMPT_PARAM) => r?,
-        () = state.lifecycle.cut_signal() => return Err(shutting_down()),
+        err = stop_signal(&state) => return Err(err),
     };
     let body = text_completion(
         id,

@@ -89,7 +89,7 @@ fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
 
 /// The SSE response shared by chat and completions: the writer's opening chunk (`echo` text for
 /// completions), every choice's events merged, usage recorded as choices finish, and the
-/// resolved cache method in the `x-kv-cache-method` header; `cut` ends it early (shutdown).
+/// resolved cache method in the `x-kv-cache-method` header; `stop` ends it early with its error.
 #[allow(clippy::too_many_arguments)]
 pub fn stream_response(
     kind: crate::sse::StreamKind,
@@ -98,7 +98,7 @@ pub fn stream_response(
     rxs: Vec<kvq_engine::GenerationStream>,
     echo: Option<&str>,
     cache_method: &str,
-    cut: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ApiError> + Send + 'static,
 ) -> Response {
     let mut writer = crate::sse::ChunkWriter::new(
         kind,
@@ -113,19 +113,39 @@ pub fn stream_response(
         writer,
         opening,
         crate::generation::record_finished,
-        cut,
+        stop,
     );
     with_cache_header(crate::sse::into_sse(stream).into_response(), cache_method)
 }
 
-/// What a request still open when the shutdown grace ends gets (a 503, or a stream's last
-/// event).
-pub fn shutting_down() -> ApiError {
-    ApiError::Unavailable(
-        "The server is shutting down: this request was still running when its shutdown grace \
-         period ended."
-            .into(),
-    )
+/// What ends a generation early, as the error it ends with (a stream's last event, or the
+/// answer of a non-streaming request): the shutdown grace running out (503) or the server's
+/// `--request-timeout` (408). Dropping the generation then frees its sequences.
+pub fn stop_signal(
+    state: &AppState,
+) -> impl std::future::Future<Output = ApiError> + Send + 'static {
+    let cut = state.lifecycle.cut_signal();
+    let timeout = state.limits.request_timeout;
+    async move {
+        let timed_out = async {
+            match timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = cut => ApiError::Unavailable(
+                "The server is shutting down: this request was still running when its \
+                 shutdown grace period ended."
+                    .into(),
+            ),
+            () = timed_out => ApiError::Timeout(format!(
+                "The request ran past the server's limit of {:.0} s (--request-timeout); ask \
+                 for fewer tokens.",
+                timeout.map_or(0.0, |t| t.as_secs_f64())
+            )),
+        }
+    }
 }
 
 /// Adds `x-kv-cache-method: <name>` to a response.
