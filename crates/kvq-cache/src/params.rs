@@ -9,8 +9,14 @@ use serde::de::DeserializeOwned;
 
 /// A method's parameter struct: what [`parse`] fills, and the keys it accepts (for messages).
 pub trait MethodParams: DeserializeOwned + Default {
-    /// Every key the struct reads, in the order a message lists them.
-    const KEYS: &'static [&'static str];
+    /// Every key the struct reads, in groups (the shared frame's, then the method's own), in
+    /// the order a message lists them.
+    const KEYS: &'static [&'static [&'static str]];
+
+    /// [`Self::KEYS`], flat.
+    fn keys() -> impl Iterator<Item = &'static str> {
+        Self::KEYS.iter().flat_map(|g| g.iter().copied())
+    }
 }
 
 /// The window every compressed cache keeps in fp16 and the seed of its random parts.
@@ -35,21 +41,15 @@ pub struct FrameParams {
     pub center_min_share: Option<u32>,
 }
 
-const WINDOW_KEYS: [&str; 3] = ["window", "sinks", "seed"];
-const FRAME_KEYS: [&str; 5] = [
-    WINDOW_KEYS[0],
-    WINDOW_KEYS[1],
-    WINDOW_KEYS[2],
-    "center_keys",
-    "center_min_share",
-];
+const WINDOW_KEYS: &[&str] = &["window", "sinks", "seed"];
+const CENTER_KEYS: &[&str] = &["center_keys", "center_min_share"];
 
 /// The fp16 and f32 caches take no parameters.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct NoParams {}
 
 impl MethodParams for NoParams {
-    const KEYS: &'static [&'static str] = &[];
+    const KEYS: &'static [&'static [&'static str]] = &[];
 }
 
 /// TurboQuant MSE, Prod and RVQ.
@@ -64,15 +64,8 @@ pub struct TurboQuantParams {
 }
 
 impl MethodParams for TurboQuantParams {
-    const KEYS: &'static [&'static str] = &[
-        FRAME_KEYS[0],
-        FRAME_KEYS[1],
-        FRAME_KEYS[2],
-        FRAME_KEYS[3],
-        FRAME_KEYS[4],
-        "key_bits",
-        "value_bits",
-    ];
+    const KEYS: &'static [&'static [&'static str]] =
+        &[WINDOW_KEYS, CENTER_KEYS, &["key_bits", "value_bits"]];
 }
 
 /// QJL.
@@ -91,16 +84,10 @@ pub struct QjlParams {
 }
 
 impl MethodParams for QjlParams {
-    const KEYS: &'static [&'static str] = &[
-        FRAME_KEYS[0],
-        FRAME_KEYS[1],
-        FRAME_KEYS[2],
-        FRAME_KEYS[3],
-        FRAME_KEYS[4],
-        "sketch_dim",
-        "value_bits",
-        "group_size",
-        "outliers",
+    const KEYS: &'static [&'static [&'static str]] = &[
+        WINDOW_KEYS,
+        CENTER_KEYS,
+        &["sketch_dim", "value_bits", "group_size", "outliers"],
     ];
 }
 
@@ -114,8 +101,7 @@ pub struct VecInferParams {
 }
 
 impl MethodParams for VecInferParams {
-    const KEYS: &'static [&'static str] =
-        &[WINDOW_KEYS[0], WINDOW_KEYS[1], WINDOW_KEYS[2], "sub_dim"];
+    const KEYS: &'static [&'static [&'static str]] = &[WINDOW_KEYS, &["sub_dim"]];
 }
 
 fn typed<M: MethodParams>(table: &toml::Table) -> std::result::Result<M, String> {
@@ -132,10 +118,10 @@ pub fn parse<M: MethodParams>(method: &str, table: &toml::Table) -> Result<M> {
         message,
     };
     // Serde cannot deny unknown fields of a struct with flattened parts: the declared keys do.
-    if let Some(key) = table.keys().find(|k| !M::KEYS.contains(&k.as_str())) {
+    if let Some(key) = table.keys().find(|k| !M::keys().any(|v| v == k.as_str())) {
         let valid = match M::KEYS.is_empty() {
             true => "none".to_string(),
-            false => M::KEYS.join(", "),
+            false => M::keys().collect::<Vec<_>>().join(", "),
         };
         return Err(err(
             key,
@@ -170,8 +156,8 @@ mod tests {
     #[test]
     fn every_declared_key_is_read_by_its_struct() {
         fn check<M: MethodParams + PartialEq + std::fmt::Debug>() {
-            for key in M::KEYS {
-                let value = match *key {
+            for key in M::keys() {
+                let value = match key {
                     "center_keys" => toml::Value::Boolean(false),
                     _ => toml::Value::Integer(8),
                 };
@@ -184,14 +170,14 @@ mod tests {
             }
         }
         fn all_at_once<M: MethodParams + std::fmt::Debug>() {
-            let t = toml::Table::from_iter(M::KEYS.iter().map(|k| {
-                let v = match *k {
+            let t = toml::Table::from_iter(M::keys().map(|k| {
+                let v = match k {
                     "center_keys" => toml::Value::Boolean(true),
                     _ => toml::Value::Integer(4),
                 };
                 (k.to_string(), v)
             }));
-            assert!(parse::<M>("m", &t).is_ok(), "{:?}", M::KEYS);
+            assert!(parse::<M>("m", &t).is_ok(), "{t}");
         }
         all_at_once::<TurboQuantParams>();
         all_at_once::<QjlParams>();
