@@ -20,5 +20,5 @@ pub mod validate;
 pub use error::ApiError;
 pub use metrics::install_metrics;
 pub use routes::router;
-pub use server::serve;
+pub use server::{ServeOptions, serve};
 pub use state::{Access, AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};

@@ -8,7 +8,9 @@ use clap::Args;
 use kvq_engine::{Engine, EngineConfig};
 use kvq_server::auth::ApiKeys;
 use kvq_server::calibration::registry_for;
-use kvq_server::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits, install_metrics, serve};
+use kvq_server::{
+    AppState, DEFAULT_MAX_BODY_BYTES, ServeOptions, ServerLimits, install_metrics, serve,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -67,6 +69,16 @@ pub struct ServeArgs {
     /// request gets 408, and its sequence is freed [default: no limit].
     #[arg(long)]
     pub request_timeout: Option<f64>,
+    /// Seconds a client may take to send a request's headers; slower connections are closed
+    /// [default: 10].
+    #[arg(long)]
+    pub header_timeout: Option<f64>,
+    /// Largest request line plus headers, in bytes (431 past it) [default: 65536].
+    #[arg(long)]
+    pub max_header_bytes: Option<usize>,
+    /// Most connections open at once; more wait to be accepted [default: 1024].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -87,6 +99,9 @@ struct FileConfig {
     metrics_need_key: Option<bool>,
     shutdown_grace: Option<f64>,
     request_timeout: Option<f64>,
+    header_timeout: Option<f64>,
+    max_header_bytes: Option<usize>,
+    max_connections: Option<usize>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -102,8 +117,8 @@ struct Settings {
     default_method: Option<String>,
     cache_presets: Option<PathBuf>,
     access: kvq_server::Access,
-    shutdown_grace: std::time::Duration,
     request_timeout: Option<std::time::Duration>,
+    serve: ServeOptions,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -156,10 +171,27 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .map(Arc::new),
             metrics_need_key: args.metrics_need_key || file.metrics_need_key.unwrap_or(false),
         },
-        shutdown_grace: seconds(
-            "--shutdown-grace",
-            args.shutdown_grace.or(file.shutdown_grace).unwrap_or(30.0),
-        )?,
+        serve: {
+            let d = ServeOptions::default();
+            ServeOptions {
+                grace: match args.shutdown_grace.or(file.shutdown_grace) {
+                    Some(s) => seconds("--shutdown-grace", s)?,
+                    None => d.grace,
+                },
+                header_timeout: match args.header_timeout.or(file.header_timeout) {
+                    Some(s) => seconds("--header-timeout", s)?,
+                    None => d.header_timeout,
+                },
+                max_header_bytes: args
+                    .max_header_bytes
+                    .or(file.max_header_bytes)
+                    .unwrap_or(d.max_header_bytes),
+                max_connections: args
+                    .max_connections
+                    .or(file.max_connections)
+                    .unwrap_or(d.max_connections),
+            }
+        },
         request_timeout: args
             .request_timeout
             .or(file.request_timeout)
@@ -178,6 +210,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let args = settings(args)?;
     anyhow::ensure!(args.max_running >= 1, "--max-running must be at least 1");
     anyhow::ensure!(args.max_n >= 1, "--max-n must be at least 1");
+    anyhow::ensure!(
+        args.serve.max_connections >= 1,
+        "--max-connections must be at least 1"
+    );
+    anyhow::ensure!(
+        args.serve.max_header_bytes >= 8192,
+        "--max-header-bytes must be at least 8192"
+    );
     let path = resolve_model_path(args.model)?;
     let model = load_with_progress(path.clone(), args.device).await?;
     let config = EngineConfig {
@@ -222,7 +262,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => {}
     }
     eprintln!("kvq listening on http://{addr}");
-    serve(listener, state, args.shutdown_grace)
+    serve(listener, state, args.serve)
         .await
         .context("the server failed")?;
     tracing::info!("stopped");
@@ -251,6 +291,9 @@ mod tests {
             metrics_need_key: false,
             shutdown_grace: None,
             request_timeout: None,
+            header_timeout: None,
+            max_header_bytes: None,
+            max_connections: None,
         }
     }
 
