@@ -40,12 +40,22 @@ pub struct Server {
 impl Server {
     /// Starts `kvq serve --port 0` with extra `args`, waiting until it listens.
     pub fn start(args: &[&str]) -> Server {
-        Self::start_with(args, &[])
+        Self::start_on("127.0.0.1", args, &[])
+    }
+
+    /// Starts `kvq serve --host HOST --port 0` with extra `args` and environment `env`.
+    pub fn start_on(host: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
+        let env: Vec<(&str, Option<&str>)> = env.iter().map(|(k, v)| (*k, Some(*v))).collect();
+        Self::start_at(host, args, &env)
     }
 
     /// [`Server::start`] with environment changes: `(name, Some(value))` sets, `None` removes.
     pub fn start_with(args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
-        let mut server = Self::spawn_with(args, env);
+        Self::start_at("127.0.0.1", args, env)
+    }
+
+    fn start_at(host: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        let mut server = Self::spawn_at(host, args, env);
         if !server.wait_listening(Duration::from_secs(120)) {
             let _ = server.child.kill();
             panic!("kvq serve did not start: {}", server.log_text());
@@ -55,11 +65,17 @@ impl Server {
 
     /// Starts `kvq serve --port 0` with `args` and `env` without waiting for it.
     pub fn spawn_with(args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        Self::spawn_at("127.0.0.1", args, env)
+    }
+
+    fn spawn_at(host: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
         let mut cmd = Command::new(kvq_bin());
         cmd.arg("serve")
-            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--host", host, "--port", "0"])
             .args(args)
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            // A key in the developer's environment would lock every other test out.
+            .env_remove("KVQ_API_KEY");
         apply_env(&mut cmd, env);
         let mut child = cmd
             .stdout(Stdio::null())
@@ -96,6 +112,18 @@ impl Server {
             }
             Err(_) => false,
         }
+    }
+
+    /// Waits up to `timeout` for the process to exit on its own; its status, or None.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < end {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     /// The OS process id.

@@ -261,3 +261,45 @@ async fn missing_content_type_still_parses() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// A client that writes its whole body before reading (Python's http.client) still gets the
+/// 413: the server drains an oversized body (declared or chunked) instead of resetting.
+#[tokio::test]
+async fn an_oversized_body_sent_whole_still_gets_its_413() {
+    let script = r#"
+import http.client, json, sys, urllib.parse
+u = urllib.parse.urlparse(sys.argv[1])
+body = b'{"messages": "' + b"x" * 10_000_000 + b'"}'
+for chunked in (False, True):
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    h = {"Content-Type": "application/json"}
+    if chunked:
+        parts = iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
+        c.request("POST", "/v1/chat/completions", body=parts, headers=h, encode_chunked=True)
+    else:
+        c.request("POST", "/v1/chat/completions", body=body, headers=h)
+    r = c.getresponse()
+    print("chunked" if chunked else "sized", r.status, json.loads(r.read())["error"]["code"])
+    c.close()
+"#;
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .args(["-c", script, base()])
+            .output()
+    })
+    .await
+    .expect("joined")
+    .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && stdout.contains("sized 413 request_too_large")
+            && stdout.contains("chunked 413 request_too_large"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The server answers normally afterwards.
+    let body = json!({"model": model_id(), "messages": msgs(), "max_tokens": 2});
+    let (s, _, out) = common::post_json("/v1/chat/completions", &body, &[]).await;
+    assert_eq!(s, 200, "{out}");
+}

@@ -166,7 +166,10 @@ fn presets_turn_centering_off_and_bad_values_are_errors() {
     let some = build(&args("center_min_share = 90")).expect("some heads");
     assert_eq!(some.key_centering(), Some(0.9));
     let err = build(&args("center_keys = 1")).expect_err("not a bool");
-    assert!(err.to_string().contains("true or false"), "{err}");
+    assert!(
+        err.to_string().contains("center_keys") && err.to_string().contains("boolean"),
+        "{err}"
+    );
     let qjl = QjlFactory::from_args(&BuildArgs {
         request_bits: None,
         preset_bits: Some(3),

@@ -9,6 +9,7 @@ pub mod codec;
 pub mod compressed;
 pub mod error;
 pub mod methods;
+pub mod params;
 pub mod registry;
 pub mod rowbuf;
 pub mod traits;

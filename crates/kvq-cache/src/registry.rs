@@ -1,6 +1,7 @@
 //! The method registry: maps the names a request may use (`x-kv-cache-method`, `kv_cache.method`)
 //! to cache factories, and validates the requested bits.
 
+use crate::params::MethodParams;
 use crate::traits::CacheFactory;
 use crate::{CacheError, Result};
 use std::collections::BTreeMap;
@@ -47,40 +48,36 @@ pub struct BuildArgs<'a> {
     pub calibration: Option<&'a Arc<dyn CalibrationSource>>,
 }
 
-impl BuildArgs<'_> {
+impl<'a> BuildArgs<'a> {
     /// The bits to build with: the request's, else the preset's; `None` means the method's
     /// default.
     pub fn bits(&self) -> Option<u8> {
         self.request_bits.or(self.preset_bits)
     }
 
-    /// The bits of one part (`key_bits` or `value_bits`): the request's bits, else the preset's
-    /// explicit part, else [`Self::bits`], else `default`.
-    pub fn part_bits(&self, key: &str, default: u32) -> Result<u32> {
-        if let Some(b) = self.request_bits {
-            return Ok(u32::from(b));
+    /// The bits of one part: the request's bits, else the preset's explicit part (`key_bits`,
+    /// `value_bits`), else [`Self::bits`], else `default`.
+    pub fn part_bits(&self, explicit: Option<u32>, default: u32) -> u32 {
+        match (self.request_bits, explicit) {
+            (Some(b), _) => u32::from(b),
+            (None, Some(b)) => b,
+            (None, None) => self.preset_bits.map_or(default, u32::from),
         }
-        Ok(match param(self.params, key)? {
-            Some(b) => b,
-            None => self.preset_bits.map_or(default, u32::from),
-        })
     }
 
-    /// An integer parameter of the preset, or `default`.
-    pub fn param_or<T: TryFrom<i64>>(&self, key: &str, default: T) -> Result<T> {
-        Ok(param(self.params, key)?.unwrap_or(default))
+    /// What a preset's check builds from: its own bits and params, no request, no calibration.
+    pub fn check_only(params: &'a toml::Table, preset_bits: Option<u8>) -> Self {
+        Self {
+            request_bits: None,
+            preset_bits,
+            params,
+            calibration: None,
+        }
     }
 
-    /// The preset's boolean `[params]` entry `key`, else `default`.
-    pub fn flag_or(&self, key: &str, default: bool) -> Result<bool> {
-        match self.params.get(key) {
-            None => Ok(default),
-            Some(toml::Value::Boolean(b)) => Ok(*b),
-            Some(v) => Err(CacheError::Preset {
-                path: key.to_string(),
-                message: format!("parameter '{key}' must be true or false, got {v}"),
-            }),
-        }
+    /// The preset's `[params]`, parsed strictly as `method`'s typed parameters.
+    pub fn typed<M: MethodParams>(&self, method: &str) -> Result<M> {
+        crate::params::parse(method, self.params)
     }
 }
 
@@ -90,6 +87,9 @@ pub struct MethodEntry {
     pub bits: Vec<u8>,
     pub default_bits: u8,
     pub build: fn(&BuildArgs<'_>) -> Result<Arc<dyn CacheFactory>>,
+    /// Checks a preset's `[params]` and `bits` when it is loaded, without building (no
+    /// calibration is needed): typed and strict, so a misspelt key fails at startup.
+    pub check: fn(&toml::Table, Option<u8>) -> Result<()>,
 }
 
 /// Gives data-dependent methods (VecInfer) the calibration of the loaded model. Returns the
@@ -102,23 +102,6 @@ pub trait CalibrationSource: Send + Sync {
     ) -> Result<Arc<dyn std::any::Any + Send + Sync>>;
 }
 
-/// Reads an optional integer parameter of a preset's `[params]` table.
-pub fn param<T: TryFrom<i64>>(params: &toml::Table, key: &str) -> Result<Option<T>> {
-    match params.get(key) {
-        None => Ok(None),
-        Some(toml::Value::Integer(i)) => {
-            T::try_from(*i).map(Some).map_err(|_| CacheError::Preset {
-                path: key.to_string(),
-                message: format!("parameter '{key}' out of range: {i}"),
-            })
-        }
-        Some(v) => Err(CacheError::Preset {
-            path: key.to_string(),
-            message: format!("parameter '{key}' must be an integer, got {v}"),
-        }),
-    }
-}
-
 struct Entry {
     base: &'static str,
     bits: Vec<u8>,
@@ -127,6 +110,7 @@ struct Entry {
     preset_bits: Option<u8>,
     params: toml::Table,
     build: fn(&BuildArgs<'_>) -> Result<Arc<dyn CacheFactory>>,
+    check: fn(&toml::Table, Option<u8>) -> Result<()>,
 }
 
 /// Every method the server can build, by name.
@@ -177,12 +161,13 @@ impl CacheRegistry {
                 preset_bits: None,
                 params: toml::Table::new(),
                 build: m.build,
+                check: m.check,
             },
         );
     }
 
-    /// Adds a preset named `name` over an existing method, with its own default bits and params.
-    /// Checks that it builds.
+    /// Adds a preset named `name` over an existing method, with its own default bits and params,
+    /// checked by the method (typed, strict: errors name the file and the parameter).
     pub fn add_preset(&mut self, name: &str, text: &str, path: &str) -> Result<()> {
         let preset_err = |message: String| CacheError::Preset {
             path: path.to_string(),
@@ -205,6 +190,10 @@ impl CacheRegistry {
                 file.method
             )));
         }
+        (base.check)(&file.params, file.bits).map_err(|e| match e {
+            CacheError::Preset { message, .. } => preset_err(message),
+            other => preset_err(other.to_string()),
+        })?;
         let entry = Entry {
             base: base.base,
             bits: base.bits.clone(),
@@ -212,6 +201,7 @@ impl CacheRegistry {
             preset_bits: file.bits,
             params: file.params,
             build: base.build,
+            check: base.check,
         };
         self.entries.insert(name.to_ascii_lowercase(), entry);
         Ok(())
@@ -324,6 +314,49 @@ mod tests {
         let c = r.resolve(&CacheSpec::default()).unwrap();
         assert_eq!(c.name, "fp16");
         assert_eq!(c.factory.method(), "fp16");
+    }
+
+    #[test]
+    fn a_preset_with_a_misspelt_or_bad_parameter_does_not_load() {
+        let load = |text: &str| {
+            let mut r = CacheRegistry::builtin();
+            r.add_preset("p", text, "configs/cache/p.toml")
+                .map(|_| r.names())
+                .map_err(|e| e.to_string())
+        };
+        let ok = "method = \"turboquant-mse\"\nbits = 4\n[params]\nwindow = 32\n";
+        assert!(load(ok).is_ok_and(|n| n.contains(&"p".to_string())));
+        for (text, needles) in [
+            (
+                "method = \"turboquant-mse\"\n[params]\nwindw = 32\n",
+                &["configs/cache/p.toml", "'windw'", "window, sinks"][..],
+            ),
+            (
+                "method = \"qjl\"\n[params]\nwindow = \"64\"\n",
+                &["configs/cache/p.toml", "parameter 'window' of qjl"],
+            ),
+            (
+                "method = \"vecinfer\"\n[params]\nsub_dim = 5\n",
+                &["configs/cache/p.toml", "sub_dim", "4 or 8"],
+            ),
+            (
+                "method = \"vecinfer\"\n[params]\ncenter_keys = false\n",
+                &["'center_keys' is not a parameter of vecinfer"],
+            ),
+            (
+                "method = \"fp16\"\n[params]\nwindow = 8\n",
+                &["'window' is not a parameter of fp16", "none"],
+            ),
+            (
+                "method = \"turboquant-rvq\"\n[params]\nkey_bits = 3\n",
+                &["configs/cache/p.toml", "bits"],
+            ),
+        ] {
+            let err = load(text).expect_err(text);
+            for n in needles {
+                assert!(err.contains(n), "{text}: {err} lacks {n}");
+            }
+        }
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub enum ApiError {
     /// An unknown route or resource (404, `not_found_error`).
     #[error("{0}")]
     NotFound(String),
+    /// No API key, or a wrong one, on a server started with keys (401, `invalid_api_key`).
+    #[error("{0}")]
+    Unauthorized(String),
     /// The route exists but not for this HTTP method (405).
     #[error("{0}")]
     MethodNotAllowed(String),
@@ -47,6 +50,9 @@ pub enum ApiError {
     /// failed or its preset is misconfigured (503, no retry hint; `param` names the header).
     #[error("{message}")]
     MethodUnavailable { message: String, param: String },
+    /// The request ran past the server's `--request-timeout` (408, `request_timeout`).
+    #[error("{0}")]
+    Timeout(String),
     /// A bug or an unexpected failure (500).
     #[error("{0}")]
     Internal(String),
@@ -100,6 +106,8 @@ impl ApiError {
             Self::InvalidRequest { .. }
             | Self::ContextLengthExceeded { .. }
             | Self::MaxTokensTooLarge(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -114,6 +122,8 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             Self::InvalidRequest { .. }
+            | Self::Unauthorized(_)
+            | Self::Timeout(_)
             | Self::ModelNotFound { .. }
             | Self::MethodNotAllowed(_)
             | Self::RequestTooLarge { .. }
@@ -145,6 +155,8 @@ impl ApiError {
         match self {
             Self::InvalidRequest { code, .. } => code.as_deref(),
             Self::ModelNotFound { .. } => Some("model_not_found"),
+            Self::Unauthorized(_) => Some("invalid_api_key"),
+            Self::Timeout(_) => Some("request_timeout"),
             Self::NotFound(_) => Some("not_found"),
             Self::MethodNotAllowed(_) => Some("method_not_allowed"),
             Self::RequestTooLarge { .. } => Some("request_too_large"),
@@ -248,6 +260,11 @@ impl IntoResponse for ApiError {
             tracing::debug!(status = status.as_u16(), error = %self, "request rejected");
         }
         let mut response = (status, Json(self.body())).into_response();
+        if matches!(self, Self::Unauthorized(_)) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(secs) = self.retry_after() {
             response
                 .headers_mut()

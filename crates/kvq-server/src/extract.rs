@@ -5,7 +5,7 @@
 use crate::error::ApiError;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::{StatusCode, header};
+use axum::http::header;
 use serde::de::DeserializeOwned;
 
 /// The body limit in force, inserted into request extensions by [`crate::router`] so the
@@ -26,20 +26,65 @@ where
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
-        if let (Some(limit), Some(len)) = (limit, content_length(&req))
-            && len > limit
-        {
-            return Err(ApiError::RequestTooLarge { limit: Some(limit) });
-        }
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::RequestTooLarge { limit }
-            } else {
+        let Some(limit) = limit else {
+            let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
                 ApiError::invalid_body(format!("Could not read the request body: {rejection}"))
-            }
-        })?;
+            })?;
+            return parse_json(&bytes).map(ApiJson);
+        };
+        let declared = content_length(&req);
+        let bytes = read_limited(req.into_body(), limit, declared).await?;
         parse_json(&bytes).map(ApiJson)
     }
+}
+
+/// The most of an oversized body read and thrown away before answering 413, and for how
+/// long: a client that writes its whole body before reading the answer (Python's http.client,
+/// most simple clients) then gets the 413 instead of a reset connection, as nginx's lingering
+/// close does. A body larger still is cut off (the connection closes).
+const DRAIN_BYTES: usize = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads `body` up to `limit` bytes. Past the limit (or when `declared` already says so) the
+/// rest is drained, within `DRAIN_BYTES` and `DRAIN_TIME`, and the answer is a 413.
+async fn read_limited(
+    body: axum::body::Body,
+    limit: usize,
+    declared: Option<usize>,
+) -> Result<Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut frames = body.into_data_stream();
+    let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(limit));
+    let mut seen = 0usize;
+    let too_large = || ApiError::RequestTooLarge { limit: Some(limit) };
+    if declared.is_none_or(|n| n <= limit) {
+        while let Some(frame) = frames.next().await {
+            let frame = frame.map_err(|e| {
+                ApiError::invalid_body(format!("Could not read the request body: {e}"))
+            })?;
+            seen += frame.len();
+            if seen > limit {
+                break;
+            }
+            buf.extend_from_slice(&frame);
+        }
+        if seen <= limit {
+            return Ok(Bytes::from(buf));
+        }
+    }
+    if declared.is_some_and(|n| n > DRAIN_BYTES) {
+        return Err(too_large());
+    }
+    let drain = async {
+        while let Some(Ok(frame)) = frames.next().await {
+            seen += frame.len();
+            if seen > DRAIN_BYTES {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
+    Err(too_large())
 }
 
 fn content_length(req: &Request) -> Option<usize> {
@@ -109,6 +154,7 @@ fn data_error_param(path: &str, message: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
     use serde::Deserialize;
 
     #[derive(Debug, Deserialize)]

@@ -2,11 +2,13 @@
 //! request validation, errors (mapped to HTTP in one place, `error.rs`), SSE streaming and
 //! Prometheus metrics. The `kvq` binary (`main.rs`, `cli/`) is built on this library.
 
+pub mod auth;
 pub mod cache_select;
 pub mod calibration;
 pub mod error;
 pub mod extract;
 pub mod generation;
+pub mod lifecycle;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
@@ -18,5 +20,5 @@ pub mod validate;
 pub use error::ApiError;
 pub use metrics::install_metrics;
 pub use routes::router;
-pub use server::serve;
-pub use state::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};
+pub use server::{ServeOptions, serve};
+pub use state::{Access, AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits};

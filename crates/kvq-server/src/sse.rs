@@ -306,38 +306,50 @@ impl ChunkWriter {
 
 /// Drives `writer` over the engine's events and yields SSE events until `[DONE]`.
 /// `on_event` sees every engine event first (for metrics). The returned stream owns `events`
-/// (and so the engine receivers): dropping it cancels the generation.
+/// (and so the engine receivers): dropping it cancels the generation. When `stop` resolves
+/// (the shutdown grace or the request timeout is over) the stream ends with its error as an
+/// event and `[DONE]`.
 pub fn sse_stream<S>(
     events: S,
     writer: ChunkWriter,
     opening: Vec<SseItem>,
     on_event: impl Fn(&GenerationEvent) + Send + 'static,
+    stop: impl std::future::Future<Output = ApiError> + Send + 'static,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static
 where
     S: Stream<Item = (usize, GenerationEvent)> + Send + Unpin + 'static,
 {
     let queue: VecDeque<SseItem> = opening.into();
-    let state = (Some(events), writer, queue, on_event);
+    let stop: std::pin::Pin<Box<dyn std::future::Future<Output = ApiError> + Send>> =
+        Box::pin(stop);
+    let state = (Some(events), writer, queue, on_event, stop);
     futures::stream::unfold(
         state,
-        |(mut events, mut writer, mut queue, on_event)| async move {
+        |(mut events, mut writer, mut queue, on_event, mut stop)| async move {
             loop {
                 if let Some(item) = queue.pop_front() {
-                    return Some((Ok(item.into_event()), (events, writer, queue, on_event)));
+                    return Some((
+                        Ok(item.into_event()),
+                        (events, writer, queue, on_event, stop),
+                    ));
                 }
                 if writer.is_done() {
                     return None;
                 }
                 let next = match events.as_mut() {
-                    Some(s) => s.next().await,
-                    None => None,
+                    Some(s) => tokio::select! {
+                        next = s.next() => Ok(next),
+                        err = &mut stop => Err(err),
+                    },
+                    None => Ok(None),
                 };
                 let items = match next {
-                    Some((index, event)) => {
+                    Ok(Some((index, event))) => {
                         on_event(&event);
                         writer.on_event(index, event)
                     }
-                    None => writer.on_closed(),
+                    Ok(None) => writer.on_closed(),
+                    Err(err) => writer.error(err),
                 };
                 queue.extend(items);
                 if writer.is_done() {

@@ -223,7 +223,13 @@ async fn sse_stream_drops_receivers_when_done_or_dropped() {
     let w = ChunkWriter::new(StreamKind::Chat, meta(), 1, false, false);
     let mut w2 = ChunkWriter::new(StreamKind::Chat, meta(), 1, false, false);
     let opening = w2.opening(None);
-    let stream = sse_stream(crate::generation::merge(vec![rx]), w, opening, |_| {});
+    let stream = sse_stream(
+        crate::generation::merge(vec![rx]),
+        w,
+        opening,
+        |_| {},
+        std::future::pending::<crate::error::ApiError>(),
+    );
     let mut stream = Box::pin(stream);
     assert!(stream.next().await.is_some());
     tx.send(delta("hi")).unwrap();
@@ -236,7 +242,13 @@ async fn sse_stream_drops_receivers_when_done_or_dropped() {
 
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let w = ChunkWriter::new(StreamKind::Chat, meta(), 1, false, false);
-    let stream = sse_stream(crate::generation::merge(vec![rx]), w, Vec::new(), |_| {});
+    let stream = sse_stream(
+        crate::generation::merge(vec![rx]),
+        w,
+        Vec::new(),
+        |_| {},
+        std::future::pending::<crate::error::ApiError>(),
+    );
     tx.send(finished(FinishReason::Stop, 1)).unwrap();
     let events: Vec<_> = stream.collect().await;
     assert_eq!(events.len(), 2);

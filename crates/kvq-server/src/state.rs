@@ -1,5 +1,5 @@
 //! `AppState`, what every handler shares: the engine handle, the cache registry, the metrics
-//! handle and the server's request limits.
+//! handle, the server's request limits and who may call it.
 
 use kvq_cache::CacheRegistry;
 use kvq_engine::Engine;
@@ -16,6 +16,8 @@ pub struct ServerLimits {
     pub max_body_bytes: usize,
     /// Largest `n` (choices per request) accepted.
     pub max_n: usize,
+    /// How long one request may run (a stream then ends with an error event); None: no limit.
+    pub request_timeout: Option<std::time::Duration>,
 }
 
 impl Default for ServerLimits {
@@ -23,8 +25,17 @@ impl Default for ServerLimits {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_n: 1,
+            request_timeout: None,
         }
     }
+}
+
+/// Who may call the server: with keys, every `/v1` route needs one (`auth.rs`); `/health`
+/// never does, `/metrics` when `metrics_need_key`.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    pub keys: Option<Arc<crate::auth::ApiKeys>>,
+    pub metrics_need_key: bool,
 }
 
 /// Shared by every handler; cheap to clone.
@@ -34,4 +45,7 @@ pub struct AppState {
     pub registry: Arc<CacheRegistry>,
     pub metrics: PrometheusHandle,
     pub limits: ServerLimits,
+    pub access: Access,
+    /// Draining and cutting streams at shutdown (`lifecycle.rs`).
+    pub lifecycle: Arc<crate::lifecycle::Lifecycle>,
 }

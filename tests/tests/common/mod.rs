@@ -30,6 +30,8 @@ fn shared() -> &'static Shared {
                 max_body_bytes: TEST_BODY_LIMIT,
                 ..ServerLimits::default()
             },
+            access: kvq_server::Access::default(),
+            lifecycle: Default::default(),
         };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

@@ -11,7 +11,8 @@ pub use run::{CalibrateOptions, Source, Stage, calibrate};
 
 use kvq_cache::methods::vecinfer::calibration::{VecInferCalibration, file_paths};
 use kvq_cache::methods::vecinfer::{DEFAULT_SEED, METHOD};
-use kvq_cache::registry::{CalibrationSource, param};
+use kvq_cache::params::VecInferParams;
+use kvq_cache::registry::CalibrationSource;
 use kvq_cache::{CacheError, CacheRegistry};
 use sha2::{Digest, Sha256};
 use std::any::Any;
@@ -262,7 +263,8 @@ impl CalibrationSource for ModelCalibration {
                 "no calibration is made for method '{method}'"
             )));
         }
-        let seed = param(params, "seed")?.unwrap_or(DEFAULT_SEED);
+        let p: VecInferParams = kvq_cache::params::parse(METHOD, params)?;
+        let seed = p.window.seed.unwrap_or(DEFAULT_SEED);
         // Every failure here is the calibration's (a 503 for the request), never a bare cache
         // or candle error (a 500).
         let cal = blocking(|| self.get(seed)).map_err(|e| match e {

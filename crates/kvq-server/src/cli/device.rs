@@ -81,9 +81,22 @@ pub fn describe(dev: &Device) -> String {
     }
 }
 
+/// Opens CUDA device `n`. Candle runs every op on one stream of its own, but creating that
+/// stream puts cudarc in multi-stream mode, where every launch records and waits on events for
+/// each buffer it touches: a few driver calls per argument, host time that a decode step of
+/// many small launches is bound by. One stream needs none of them, so they are turned off
+/// (`KVQ_CUDA_EVENT_TRACKING=1` keeps them, for comparison).
 #[cfg(feature = "cuda")]
 fn cuda(n: usize) -> anyhow::Result<Device> {
-    Device::new_cuda(n).with_context(|| format!("could not open CUDA device {n}"))
+    let dev = Device::new_cuda(n).with_context(|| format!("could not open CUDA device {n}"))?;
+    if std::env::var("KVQ_CUDA_EVENT_TRACKING").as_deref() != Ok("1") {
+        // SAFETY: before the model or a cache allocates (buffers made from now on carry no
+        // events), and kvq enqueues everything (its kernels, candle's, cuBLAS, copies) on
+        // candle's one stream, so stream order alone orders every read after its write.
+        unsafe { dev.as_cuda_device()?.disable_event_tracking() };
+        tracing::debug!("CUDA event tracking off (one stream)");
+    }
+    Ok(dev)
 }
 
 #[cfg(not(feature = "cuda"))]

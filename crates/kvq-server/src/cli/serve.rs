@@ -6,8 +6,11 @@ use super::model::{load_with_progress, resolve_model};
 use anyhow::Context;
 use clap::Args;
 use kvq_engine::{Engine, EngineConfig};
+use kvq_server::auth::ApiKeys;
 use kvq_server::calibration::registry_for;
-use kvq_server::{AppState, DEFAULT_MAX_BODY_BYTES, ServerLimits, install_metrics, serve};
+use kvq_server::{
+    AppState, DEFAULT_MAX_BODY_BYTES, ServeOptions, ServerLimits, install_metrics, serve,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -50,6 +53,34 @@ pub struct ServeArgs {
     /// when it exists].
     #[arg(long)]
     pub cache_presets: Option<PathBuf>,
+    /// Require `Authorization: Bearer <key>` on every /v1 route with this key (also
+    /// `KVQ_API_KEY`); without a key the API is open.
+    #[arg(long, env = "KVQ_API_KEY", hide_env_values = true)]
+    pub api_key: Option<kvq_server::auth::SecretKey>,
+    /// A file of accepted keys, one per line (`#` comments), besides or instead of --api-key.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Put /metrics behind the API key too (it is open by default, like /health).
+    #[arg(long)]
+    pub metrics_need_key: bool,
+    /// Seconds open requests may run on after SIGTERM / ctrl-c (new ones get 503 meanwhile);
+    /// then open streams end with an error event [default: 30].
+    #[arg(long)]
+    pub shutdown_grace: Option<f64>,
+    /// Seconds one request may run; then a stream ends with an error event and a plain
+    /// request gets 408, and its sequence is freed [default: no limit].
+    #[arg(long)]
+    pub request_timeout: Option<f64>,
+    /// Seconds a client may take to send a request's headers; slower connections are closed
+    /// [default: 10].
+    #[arg(long)]
+    pub header_timeout: Option<f64>,
+    /// Largest request line plus headers, in bytes (431 past it) [default: 65536].
+    #[arg(long)]
+    pub max_header_bytes: Option<usize>,
+    /// Most connections open at once; more wait to be accepted [default: 1024].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
 }
 
 /// The config file: every field optional, unknown fields rejected.
@@ -66,6 +97,13 @@ struct FileConfig {
     default_kv_cache_method: Option<String>,
     cache_presets: Option<PathBuf>,
     device: Option<String>,
+    api_key_file: Option<PathBuf>,
+    metrics_need_key: Option<bool>,
+    shutdown_grace: Option<f64>,
+    request_timeout: Option<f64>,
+    header_timeout: Option<f64>,
+    max_header_bytes: Option<usize>,
+    max_connections: Option<usize>,
 }
 
 /// The settings after merging flags, file and defaults.
@@ -80,6 +118,9 @@ struct Settings {
     max_n: usize,
     default_method: Option<String>,
     cache_presets: Option<PathBuf>,
+    access: kvq_server::Access,
+    request_timeout: Option<std::time::Duration>,
+    serve: ServeOptions,
 }
 
 fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
@@ -124,13 +165,61 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .default_kv_cache_method
             .or(file.default_kv_cache_method),
         cache_presets: args.cache_presets.or(file.cache_presets),
+        access: kvq_server::Access {
+            keys: ApiKeys::from_flags(
+                args.api_key.as_ref().map(|k| k.0.as_str()),
+                args.api_key_file.or(file.api_key_file).as_deref(),
+            )?
+            .map(Arc::new),
+            metrics_need_key: args.metrics_need_key || file.metrics_need_key.unwrap_or(false),
+        },
+        serve: {
+            let d = ServeOptions::default();
+            ServeOptions {
+                grace: match args.shutdown_grace.or(file.shutdown_grace) {
+                    Some(s) => seconds("--shutdown-grace", s)?,
+                    None => d.grace,
+                },
+                header_timeout: match args.header_timeout.or(file.header_timeout) {
+                    Some(s) => seconds("--header-timeout", s)?,
+                    None => d.header_timeout,
+                },
+                max_header_bytes: args
+                    .max_header_bytes
+                    .or(file.max_header_bytes)
+                    .unwrap_or(d.max_header_bytes),
+                max_connections: args
+                    .max_connections
+                    .or(file.max_connections)
+                    .unwrap_or(d.max_connections),
+            }
+        },
+        request_timeout: args
+            .request_timeout
+            .or(file.request_timeout)
+            .map(|s| seconds("--request-timeout", s))
+            .transpose()?,
     })
+}
+
+/// `s` seconds as a duration; negative, NaN or infinite is an error naming `flag`.
+fn seconds(flag: &str, s: f64) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds, 0 or more; got {s}"))
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let args = settings(args)?;
     anyhow::ensure!(args.max_running >= 1, "--max-running must be at least 1");
     anyhow::ensure!(args.max_n >= 1, "--max-n must be at least 1");
+    anyhow::ensure!(
+        args.serve.max_connections >= 1,
+        "--max-connections must be at least 1"
+    );
+    anyhow::ensure!(
+        args.serve.max_header_bytes >= 8192,
+        "--max-header-bytes must be at least 8192"
+    );
     let choice = resolve_model(args.model.as_deref()).await?;
     let model = load_with_progress(&choice, args.device).await?;
     let config = EngineConfig {
@@ -154,7 +243,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         limits: ServerLimits {
             max_body_bytes: args.max_body_bytes,
             max_n: args.max_n,
+            request_timeout: args.request_timeout,
         },
+        access: args.access.clone(),
+        lifecycle: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
@@ -162,8 +254,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let addr = listener
         .local_addr()
         .context("could not read the bound address")?;
+    match &args.access.keys {
+        Some(keys) => tracing::info!(keys = keys.len(), "API keys required on /v1"),
+        None if !addr.ip().is_loopback() => tracing::warn!(
+            %addr,
+            "listening beyond this machine without an API key: anyone who can reach it may use \
+             it (set --api-key or KVQ_API_KEY)"
+        ),
+        None => {}
+    }
     eprintln!("kvq listening on http://{addr}");
-    serve(listener, state).await.context("the server failed")?;
+    serve(listener, state, args.serve)
+        .await
+        .context("the server failed")?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -185,6 +288,14 @@ mod tests {
             max_n: None,
             default_kv_cache_method: None,
             cache_presets: None,
+            api_key: None,
+            api_key_file: None,
+            metrics_need_key: false,
+            shutdown_grace: None,
+            request_timeout: None,
+            header_timeout: None,
+            max_header_bytes: None,
+            max_connections: None,
         }
     }
 

@@ -8,7 +8,7 @@ use crate::generation::{self, collect_all, new_id, submit_all, unix_now};
 use crate::openai::{
     ChatChoice, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ResponseMessage, UsageOut,
 };
-use crate::routes::{stream_response, tokenize_blocking, with_cache_header};
+use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_header};
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::validate::{Message, validate_chat};
@@ -75,10 +75,14 @@ pub async fn chat_completions(
             rxs,
             None,
             &cache.name,
+            stop_signal(&state),
         ));
     }
 
-    let results = collect_all(rxs, PROMPT_PARAM).await?;
+    let results = tokio::select! {
+        r = collect_all(rxs, PROMPT_PARAM) => r?,
+        err = stop_signal(&state) => return Err(err),
+    };
     let body = chat_completion(id, created, v.model, v.params.logprobs.is_some(), results);
     Ok(with_cache_header(Json(body).into_response(), &cache.name))
 }

@@ -8,7 +8,7 @@ use crate::generation::{Collected, collect_all, new_id, submit_all, unix_now};
 use crate::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, TextCompletion, UsageOut,
 };
-use crate::routes::{stream_response, tokenize_blocking, with_cache_header};
+use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_header};
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::validate::{Prompt, check_token_ids, validate_completion};
@@ -81,10 +81,14 @@ pub async fn completions(
             rxs,
             echo_text.as_deref(),
             &cache.name,
+            stop_signal(&state),
         ));
     }
 
-    let results = collect_all(rxs, PROMPT_PARAM).await?;
+    let results = tokio::select! {
+        r = collect_all(rxs, PROMPT_PARAM) => r?,
+        err = stop_signal(&state) => return Err(err),
+    };
     let body = text_completion(
         id,
         created,

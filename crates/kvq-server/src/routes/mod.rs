@@ -22,16 +22,33 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
 /// Every route, with the body limit from `state.limits`, `kvq_requests_total` counting,
-/// request tracing, and a JSON 500 for a handler that panics.
+/// request tracing, a JSON 500 for a handler that panics, the API keys of `state.access` on
+/// the `/v1` routes (and `/metrics` if asked), and 503 for everything while the server drains.
 pub fn router(state: AppState) -> Router {
     let limit = state.limits.max_body_bytes;
-    let routes = Router::new()
+    let mut keyed = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::list_models))
-        .route("/v1/models/{*id}", get(models::get_model))
-        .route("/health", get(health::health))
-        .route("/metrics", get(metrics::metrics));
+        .route("/v1/models/{*id}", get(models::get_model));
+    let mut open = Router::new().route("/health", get(health::health));
+    let metrics = get(metrics::metrics);
+    match state.access.metrics_need_key {
+        true => keyed = keyed.route("/metrics", metrics),
+        false => open = open.route("/metrics", metrics),
+    }
+    if let Some(keys) = &state.access.keys {
+        keyed = keyed.route_layer(axum::middleware::from_fn_with_state(
+            keys.clone(),
+            crate::auth::require_key,
+        ));
+    }
+    let routes = keyed
+        .merge(open)
+        .layer(axum::middleware::from_fn_with_state(
+            state.lifecycle.clone(),
+            crate::lifecycle::refuse_while_draining,
+        ));
     with_layers(routes, limit).with_state(state)
 }
 
@@ -72,7 +89,8 @@ fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
 
 /// The SSE response shared by chat and completions: the writer's opening chunk (`echo` text for
 /// completions), every choice's events merged, usage recorded as choices finish, and the
-/// resolved cache method in the `x-kv-cache-method` header.
+/// resolved cache method in the `x-kv-cache-method` header; `stop` ends it early with its error.
+#[allow(clippy::too_many_arguments)]
 pub fn stream_response(
     kind: crate::sse::StreamKind,
     meta: crate::sse::StreamMeta,
@@ -80,6 +98,7 @@ pub fn stream_response(
     rxs: Vec<kvq_engine::GenerationStream>,
     echo: Option<&str>,
     cache_method: &str,
+    stop: impl std::future::Future<Output = ApiError> + Send + 'static,
 ) -> Response {
     let mut writer = crate::sse::ChunkWriter::new(
         kind,
@@ -94,8 +113,39 @@ pub fn stream_response(
         writer,
         opening,
         crate::generation::record_finished,
+        stop,
     );
     with_cache_header(crate::sse::into_sse(stream).into_response(), cache_method)
+}
+
+/// What ends a generation early, as the error it ends with (a stream's last event, or the
+/// answer of a non-streaming request): the shutdown grace running out (503) or the server's
+/// `--request-timeout` (408). Dropping the generation then frees its sequences.
+pub fn stop_signal(
+    state: &AppState,
+) -> impl std::future::Future<Output = ApiError> + Send + 'static {
+    let cut = state.lifecycle.cut_signal();
+    let timeout = state.limits.request_timeout;
+    async move {
+        let timed_out = async {
+            match timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = cut => ApiError::Unavailable(
+                "The server is shutting down: this request was still running when its \
+                 shutdown grace period ended."
+                    .into(),
+            ),
+            () = timed_out => ApiError::Timeout(format!(
+                "The request ran past the server's limit of {:.0} s (--request-timeout); ask \
+                 for fewer tokens.",
+                timeout.map_or(0.0, |t| t.as_secs_f64())
+            )),
+        }
+    }
 }
 
 /// Adds `x-kv-cache-method: <name>` to a response.

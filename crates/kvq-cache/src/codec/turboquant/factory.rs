@@ -2,6 +2,7 @@
 //! built from bits per coordinate, one setting for keys and one for values.
 
 use crate::compressed::{CodecFactory, KeyCodec, ValueCodec};
+use crate::params::TurboQuantParams;
 use crate::registry::{BuildArgs, MethodEntry};
 use crate::traits::{CacheFactory, CacheGeometry};
 use crate::{CacheError, Result};
@@ -107,14 +108,16 @@ impl<M: BitsMethod> BitsFactory<M> {
     /// `sinks`, `seed`, `center_keys` and `center_min_share` in its `[params]`, and request bits override both key and value bits.
     pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
         let base = Self::new(u32::from(M::DEFAULT_BITS));
+        let p: TurboQuantParams = a.typed(M::METHOD)?;
+        let (f, w) = (&p.frame, &p.frame.window);
         let f = Self {
-            key_bits: a.part_bits("key_bits", base.key_bits)?,
-            value_bits: a.part_bits("value_bits", base.value_bits)?,
-            window: a.param_or("window", base.window)?,
-            sinks: a.param_or("sinks", base.sinks)?,
-            seed: a.param_or("seed", base.seed)?,
-            center_keys: a.flag_or("center_keys", base.center_keys)?,
-            center_min_share: a.param_or("center_min_share", base.center_min_share)?,
+            key_bits: a.part_bits(p.key_bits, base.key_bits),
+            value_bits: a.part_bits(p.value_bits, base.value_bits),
+            window: w.window.unwrap_or(base.window),
+            sinks: w.sinks.unwrap_or(base.sinks),
+            seed: w.seed.unwrap_or(base.seed),
+            center_keys: f.center_keys.unwrap_or(base.center_keys),
+            center_min_share: f.center_min_share.unwrap_or(base.center_min_share),
             method: PhantomData,
         };
         M::check_bits(f.key_bits, f.value_bits)?;
@@ -128,6 +131,9 @@ impl<M: BitsMethod> BitsFactory<M> {
             bits: M::VALID_BITS.to_vec(),
             default_bits: M::DEFAULT_BITS,
             build: |a| Ok(Arc::new(Self::from_args(a)?) as Arc<dyn CacheFactory>),
+            check: |params, preset_bits| {
+                Self::from_args(&BuildArgs::check_only(params, preset_bits)).map(|_| ())
+            },
         }
     }
 }

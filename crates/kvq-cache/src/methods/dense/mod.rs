@@ -85,6 +85,9 @@ pub fn fp16_entry() -> crate::registry::MethodEntry {
         bits: vec![16],
         default_bits: 16,
         build: |_| Ok(std::sync::Arc::new(DenseFactory::<f16>::new())),
+        check: |params, _| {
+            crate::params::parse::<crate::params::NoParams>("fp16", params).map(|_| ())
+        },
     }
 }
 
@@ -95,6 +98,9 @@ pub fn f32_entry() -> crate::registry::MethodEntry {
         bits: vec![32],
         default_bits: 32,
         build: |_| Ok(std::sync::Arc::new(DenseFactory::<f32>::new())),
+        check: |params, _| {
+            crate::params::parse::<crate::params::NoParams>("f32", params).map(|_| ())
+        },
     }
 }
 

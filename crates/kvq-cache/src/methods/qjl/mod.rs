@@ -48,7 +48,8 @@ pub mod keys;
 pub mod values;
 
 use crate::compressed::CodecFactory;
-use crate::registry::{BuildArgs, MethodEntry, param};
+use crate::params::QjlParams;
+use crate::registry::{BuildArgs, MethodEntry};
 use crate::traits::CacheGeometry;
 use crate::{CacheError, Result};
 pub use keys::{OUTLIER_BYTES, QjlKeyCodec};
@@ -118,22 +119,23 @@ impl QjlFactory {
 
     /// Builds from a registry request: bits (or the default 3) and a preset's params.
     pub fn from_args(a: &BuildArgs<'_>) -> Result<Self> {
-        let p = a.params;
         let base = Self::new(a.bits().map_or(3, u32::from));
-        let sketch = match (a.request_bits, param::<usize>(p, "sketch_dim")?) {
+        let p: QjlParams = a.typed(METHOD)?;
+        let w = &p.frame.window;
+        let sketch = match (a.request_bits, p.sketch_dim) {
             (None, Some(m)) => SketchSize::Fixed(m),
             _ => base.sketch,
         };
         let f = Self {
             sketch,
-            value_bits: a.param_or("value_bits", base.value_bits)?,
-            group_size: a.param_or("group_size", base.group_size)?,
-            outliers: a.param_or("outliers", base.outliers)?,
-            window: a.param_or("window", base.window)?,
-            sinks: a.param_or("sinks", base.sinks)?,
-            seed: a.param_or("seed", base.seed)?,
-            center_keys: a.flag_or("center_keys", base.center_keys)?,
-            center_min_share: a.param_or("center_min_share", base.center_min_share)?,
+            value_bits: p.value_bits.unwrap_or(base.value_bits),
+            group_size: p.group_size.unwrap_or(base.group_size),
+            outliers: p.outliers.unwrap_or(base.outliers),
+            window: w.window.unwrap_or(base.window),
+            sinks: w.sinks.unwrap_or(base.sinks),
+            seed: w.seed.unwrap_or(base.seed),
+            center_keys: p.frame.center_keys.unwrap_or(base.center_keys),
+            center_min_share: p.frame.center_min_share.unwrap_or(base.center_min_share),
         };
         f.validate()?;
         Ok(f)
@@ -238,6 +240,9 @@ pub fn entry() -> MethodEntry {
         bits: BITS.to_vec(),
         default_bits: 3,
         build: |a| Ok(Arc::new(QjlFactory::from_args(a)?)),
+        check: |params, bits| {
+            QjlFactory::from_args(&BuildArgs::check_only(params, bits)).map(|_| ())
+        },
     }
 }
 

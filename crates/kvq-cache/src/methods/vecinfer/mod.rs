@@ -15,7 +15,8 @@ pub mod capture;
 pub mod codec;
 
 use crate::compressed::CodecFactory;
-use crate::registry::{MethodEntry, param};
+use crate::params::VecInferParams;
+use crate::registry::{BuildArgs, MethodEntry};
 use crate::traits::CacheGeometry;
 use crate::{CacheError, Result};
 use calibration::VecInferCalibration;
@@ -57,18 +58,8 @@ pub fn entry() -> MethodEntry {
         bits: vec![1, 2],
         default_bits: 2,
         build: |a| {
-            let sub_dim = match (a.request_bits, param::<usize>(a.params, "sub_dim")?) {
-                (Some(b), _) => sub_dim_for_bits(b)?,
-                (None, Some(s)) if s == 4 || s == 8 => s,
-                (None, Some(s)) => {
-                    return Err(CacheError::Preset {
-                        path: "sub_dim".into(),
-                        message: format!("{METHOD}: sub_dim must be 4 or 8, got {s}"),
-                    });
-                }
-                (None, None) => a.preset_bits.map_or(Ok(4), sub_dim_for_bits)?,
-            };
-            let seed = a.param_or("seed", DEFAULT_SEED)?;
+            let (sub_dim, p) = sub_dim_of(a)?;
+            let seed = p.window.seed.unwrap_or(DEFAULT_SEED);
             let source = a.calibration.ok_or_else(|| {
                 CacheError::Calibration(format!(
                     "{METHOD} needs codebooks trained on the model (`kvq calibrate`), and no \
@@ -85,13 +76,33 @@ pub fn entry() -> MethodEntry {
                     ))
                 })?;
             let f = VecInferFactory {
-                window: a.param_or("window", 64)?,
-                sinks: a.param_or("sinks", DEFAULT_SINKS)?,
+                window: p.window.window.unwrap_or(64),
+                sinks: p.window.sinks.unwrap_or(DEFAULT_SINKS),
                 ..VecInferFactory::new(cal, sub_dim, seed)?
             };
             Ok(Arc::new(f))
         },
+        // The codebooks come from the model: what can be checked without them.
+        check: |params, bits| sub_dim_of(&BuildArgs::check_only(params, bits)).map(|_| ()),
     }
+}
+
+/// The sub-vector size a request builds with (request bits win over the preset's `sub_dim`,
+/// which wins over its bits) and the preset's parameters.
+fn sub_dim_of(a: &BuildArgs<'_>) -> Result<(usize, VecInferParams)> {
+    let p: VecInferParams = a.typed(METHOD)?;
+    let sub_dim = match (a.request_bits, p.sub_dim) {
+        (Some(b), _) => sub_dim_for_bits(b)?,
+        (None, Some(s)) if s == 4 || s == 8 => s,
+        (None, Some(s)) => {
+            return Err(CacheError::Preset {
+                path: "sub_dim".into(),
+                message: format!("parameter 'sub_dim' of {METHOD} must be 4 or 8, got {s}"),
+            });
+        }
+        (None, None) => a.preset_bits.map_or(Ok(4), sub_dim_for_bits)?,
+    };
+    Ok((sub_dim, p))
 }
 
 /// Builds VecInfer caches from a calibration.
