@@ -1,9 +1,12 @@
 //! Shared fixtures for the end-to-end tests: where the real models are, a loaded default model,
 //! the GGUF to Hugging Face directory conversion, a spawned `kvq serve`, keys captured from the
-//! model, and random checkpoints of the architectures without reachable weights.
+//! model, random checkpoints of the architectures without reachable weights, and a fake Hugging
+//! Face Hub on loopback with its fixture repositories.
 
 pub mod checkpoints;
+pub mod fake_hub;
 pub mod hf_export;
+pub mod hub_fixtures;
 pub mod real_keys;
 pub mod server;
 

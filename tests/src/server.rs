@@ -30,10 +30,11 @@ pub fn kvq_bin() -> PathBuf {
 /// A running `kvq serve`.
 pub struct Server {
     child: Child,
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (empty until it listens).
     pub base: String,
     /// Everything the server wrote to stderr so far.
     pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    listening: mpsc::Receiver<String>,
 }
 
 impl Server {
@@ -44,14 +45,39 @@ impl Server {
 
     /// Starts `kvq serve --host HOST --port 0` with extra `args` and environment `env`.
     pub fn start_on(host: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(kvq_bin())
-            .arg("serve")
+        let env: Vec<(&str, Option<&str>)> = env.iter().map(|(k, v)| (*k, Some(*v))).collect();
+        Self::start_at(host, args, &env)
+    }
+
+    /// [`Server::start`] with environment changes: `(name, Some(value))` sets, `None` removes.
+    pub fn start_with(args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        Self::start_at("127.0.0.1", args, env)
+    }
+
+    fn start_at(host: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        let mut server = Self::spawn_at(host, args, env);
+        if !server.wait_listening(Duration::from_secs(120)) {
+            let _ = server.child.kill();
+            panic!("kvq serve did not start: {}", server.log_text());
+        }
+        server
+    }
+
+    /// Starts `kvq serve --port 0` with `args` and `env` without waiting for it.
+    pub fn spawn_with(args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        Self::spawn_at("127.0.0.1", args, env)
+    }
+
+    fn spawn_at(host: &str, args: &[&str], env: &[(&str, Option<&str>)]) -> Server {
+        let mut cmd = Command::new(kvq_bin());
+        cmd.arg("serve")
             .args(["--host", host, "--port", "0"])
             .args(args)
             .env("RUST_LOG", "info")
             // A key in the developer's environment would lock every other test out.
-            .env_remove("KVQ_API_KEY")
-            .envs(env.iter().copied())
+            .env_remove("KVQ_API_KEY");
+        apply_env(&mut cmd, env);
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -69,17 +95,23 @@ impl Server {
                 log2.lock().map(|mut l| l.push(line)).ok();
             }
         });
-        let base = match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(url) => url,
-            Err(_) => {
-                let _ = child.kill();
-                panic!(
-                    "kvq serve did not start: {:?}",
-                    log.lock().map(|l| l.clone())
-                );
+        Server {
+            child,
+            base: String::new(),
+            log,
+            listening: rx,
+        }
+    }
+
+    /// Waits up to `timeout` for the server to listen; false if it did not (or exited).
+    pub fn wait_listening(&mut self, timeout: Duration) -> bool {
+        match self.listening.recv_timeout(timeout) {
+            Ok(url) => {
+                self.base = url;
+                true
             }
-        };
-        Server { child, base, log }
+            Err(_) => false,
+        }
     }
 
     /// Waits up to `timeout` for the process to exit on its own; its status, or None.
@@ -97,6 +129,76 @@ impl Server {
     /// The OS process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Everything the server logged so far, one string.
+    pub fn log_text(&self) -> String {
+        self.log.lock().map(|l| l.join("\n")).unwrap_or_default()
+    }
+}
+
+fn apply_env(cmd: &mut Command, env: &[(&str, Option<&str>)]) {
+    for (k, v) in env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+}
+
+/// How a `kvq` run ended.
+pub struct Run {
+    /// The exit code; None when it was killed at the timeout.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `kvq ARGS` to its end (killed after `timeout`).
+pub fn run_kvq(args: &[&str], env: &[(&str, Option<&str>)], timeout: Duration) -> Run {
+    let mut cmd = Command::new(kvq_bin());
+    cmd.args(args).env("RUST_LOG", "info");
+    apply_env(&mut cmd, env);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not start kvq: {e}"));
+    // Read as it comes, so a chatty child never blocks on a full pipe.
+    fn reader(
+        pipe: Option<impl std::io::Read + Send + 'static>,
+    ) -> Option<std::thread::JoinHandle<String>> {
+        pipe.map(|mut p| {
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = p.read_to_string(&mut text);
+                text
+            })
+        })
+    }
+    let (out, err) = (reader(child.stdout.take()), reader(child.stderr.take()));
+    let started = std::time::Instant::now();
+    let code = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status.code(),
+            Ok(None) if started.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let text = |r: Option<std::thread::JoinHandle<String>>| {
+        r.and_then(|r| r.join().ok()).unwrap_or_default()
+    };
+    Run {
+        code,
+        stdout: text(out),
+        stderr: text(err),
     }
 }
 

@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod error;
+pub mod files;
 pub mod loader;
 pub mod model;
 pub mod tokenizer;

@@ -1,6 +1,6 @@
 //! Finds and loads a model: a GGUF file or a Hugging Face directory, into a `LoadedModel`.
 
-use crate::model::{Family, GgufWeights, Model, ModelConfig, SafetensorsWeights};
+use crate::model::{Family, GgufWeights, Model, ModelConfig, SafetensorsWeights, WeightSource};
 use crate::{ChatTemplate, ModelError, Result, Tokenizer};
 use candle_core::Device;
 use std::path::{Path, PathBuf};
@@ -39,32 +39,9 @@ pub fn default_model_path() -> PathBuf {
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// Resolves a Hugging Face id (`org/name`, optionally `org/name@revision`) to its snapshot in
-/// the local hub cache (`$HF_HUB_CACHE`, `$HF_HOME/hub` or `~/.cache/huggingface/hub`), offline.
-pub fn resolve_hf_id(id: &str) -> Option<PathBuf> {
-    let (repo, rev) = id.split_once('@').unwrap_or((id, "main"));
-    let (org, name) = repo.split_once('/')?;
-    if org.is_empty() || name.is_empty() || name.contains('/') {
-        return None;
-    }
-    let hub = std::env::var_os("HF_HUB_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HF_HOME").map(|h| PathBuf::from(h).join("hub")))
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/hub"))
-        })?;
-    let repo_dir = hub.join(format!("models--{org}--{name}"));
-    // A revision is a ref name (refs/<rev> holds the commit) or a commit hash itself.
-    let commit = std::fs::read_to_string(repo_dir.join("refs").join(rev))
-        .map(|c| c.trim().to_string())
-        .unwrap_or_else(|_| rev.to_string());
-    let snap = repo_dir.join("snapshots").join(commit);
-    snap.is_dir().then_some(snap)
-}
-
-/// Loads a GGUF file, a Hugging Face directory (config.json, *.safetensors, tokenizer.json), or
-/// a Hugging Face id already in the local hub cache, on the CPU. `progress(done, total)` reports
-/// layers loaded.
+/// Loads a GGUF file (any part of a split one loads them all) or a Hugging Face directory
+/// (config.json, *.safetensors, tokenizer.json) on the CPU. `progress(done, total)` reports
+/// layers loaded. Hub ids are resolved to such paths first (the `kvq-hub` crate).
 pub fn load(path: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<LoadedModel> {
     load_on(path, &Device::Cpu, progress)
 }
@@ -77,18 +54,6 @@ pub fn load_on(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<LoadedModel> {
     let device = device.clone();
-    let resolved;
-    let path = if path.exists() {
-        path
-    } else if let Some(p) = path.to_str().and_then(resolve_hf_id) {
-        resolved = p;
-        resolved.as_path()
-    } else {
-        return Err(ModelError::Invalid(format!(
-            "{} is neither a file, a directory, nor a Hugging Face id in the local hub cache",
-            path.display()
-        )));
-    };
     let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
     if meta.is_dir() {
         load_hf_dir(path, &device, progress)
@@ -198,6 +163,12 @@ fn load_gguf(
         &tokenizer,
         &[&finetune, &name, &stem],
     )?;
+    if weights.contains("rope_freqs.weight") {
+        tracing::warn!(
+            "the GGUF carries rope_freqs.weight (Llama 3.1+ rope scaling), which kvq does not \
+             apply yet: long contexts drift from the reference"
+        );
+    }
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
     let id = path.file_stem().map_or_else(
         || "model".to_string(),
@@ -209,6 +180,66 @@ fn load_gguf(
         template,
         info: info(&cfg, id, path),
     })
+}
+
+/// The chat template of a Hugging Face directory: `chat_template.jinja` when there (newer
+/// checkpoints keep it beside the tokenizer, and transformers prefers it), else the
+/// `chat_template` of tokenizer_config.json: a string, or a list of named templates of which
+/// the `default` one is used.
+fn chat_template_of(dir: &Path, tok_cfg: Option<&Path>) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|e| ModelError::io(&jinja, e));
+    }
+    let Some(p) = tok_cfg else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::Invalid(format!("{}: {e}", p.display())))?;
+    Ok(match v.get("chat_template") {
+        Some(serde_json::Value::String(t)) => Some(t.clone()),
+        Some(serde_json::Value::Array(named)) => named
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    })
+}
+
+/// The weight files of a Hugging Face directory: those its `model.safetensors.index.json`
+/// names when it has one (each must be there), else [`crate::files::pick_safetensors`].
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join(crate::files::SAFETENSORS_INDEX);
+    let names = if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+        let names = crate::files::safetensors_index_files(&text)?;
+        if let Some(missing) = names.iter().find(|n| !dir.join(n).is_file()) {
+            return Err(ModelError::Invalid(format!(
+                "{} names {missing}, which is not in {}",
+                index.display(),
+                dir.display()
+            )));
+        }
+        names
+    } else {
+        let entries: Vec<String> = std::fs::read_dir(dir)
+            .map_err(|e| ModelError::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        crate::files::pick_safetensors(entries.iter().map(String::as_str))
+    };
+    if names.is_empty() {
+        return Err(ModelError::Invalid(format!(
+            "{} has no *.safetensors files",
+            dir.display()
+        )));
+    }
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
 }
 
 fn load_hf_dir(
@@ -224,17 +255,7 @@ fn load_hf_dir(
     let tok_cfg = dir.join("tokenizer_config.json");
     let tok_cfg = tok_cfg.exists().then_some(tok_cfg);
     let tokenizer = Tokenizer::from_hf_files(&dir.join("tokenizer.json"), tok_cfg.as_deref())?;
-    let template_src = match &tok_cfg {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Invalid(format!("{}: {e}", p.display())))?;
-            v.get("chat_template")
-                .and_then(|t| t.as_str())
-                .map(str::to_string)
-        }
-        None => None,
-    };
+    let template_src = chat_template_of(dir, tok_cfg.as_deref())?;
     // A Hugging Face cache snapshot is named by its hash; the repository is a folder above it.
     let names: Vec<String> = dir
         .ancestors()
@@ -243,18 +264,7 @@ fn load_hf_dir(
         .collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     let template = template_or_fallback(template_src.as_deref(), &tokenizer, &names)?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| ModelError::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(ModelError::Invalid(format!(
-            "{} has no *.safetensors files",
-            dir.display()
-        )));
-    }
+    let files = safetensors_files(dir)?;
     let mut weights = SafetensorsWeights::open(&files, device, Family::of(&cfg)?)?;
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
     let id = dir
@@ -308,28 +318,58 @@ mod tests {
     }
 
     #[test]
-    fn hf_ids_resolve_to_cached_snapshots() {
-        let hub = std::env::temp_dir().join(format!("kvq-hub-{}", std::process::id()));
-        let repo = hub.join("models--org--tiny");
-        std::fs::create_dir_all(repo.join("refs")).unwrap();
-        std::fs::create_dir_all(repo.join("snapshots/abc123")).unwrap();
-        std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
-        // SAFETY: this test is the only one in the crate touching HF_HUB_CACHE.
-        unsafe { std::env::set_var("HF_HUB_CACHE", &hub) };
+    fn directories_read_the_jinja_template_first_and_the_default_of_a_list() {
+        let dir = std::env::temp_dir().join(format!("kvq-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &cfg,
+            r#"{"chat_template": [{"name": "tool_use", "template": "T"},
+                                  {"name": "default", "template": "D"}]}"#,
+        )
+        .unwrap();
         assert_eq!(
-            resolve_hf_id("org/tiny"),
-            Some(repo.join("snapshots/abc123"))
+            chat_template_of(&dir, Some(&cfg)).unwrap().as_deref(),
+            Some("D")
         );
+        std::fs::write(&cfg, r#"{"chat_template": "S"}"#).unwrap();
         assert_eq!(
-            resolve_hf_id("org/tiny@abc123"),
-            Some(repo.join("snapshots/abc123"))
+            chat_template_of(&dir, Some(&cfg)).unwrap().as_deref(),
+            Some("S")
         );
-        assert_eq!(resolve_hf_id("org/other"), None);
-        assert_eq!(resolve_hf_id("not-an-id"), None);
-        let err = load(Path::new("org/missing"), &mut |_, _| {})
-            .err()
-            .unwrap();
-        assert!(err.to_string().contains("hub cache"), "{err}");
-        std::fs::remove_dir_all(&hub).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+        assert_eq!(
+            chat_template_of(&dir, Some(&cfg)).unwrap().as_deref(),
+            Some("J")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(chat_template_of(&dir, None).unwrap(), None);
+    }
+
+    #[test]
+    fn an_index_decides_the_weight_files_and_must_be_complete() {
+        let dir = std::env::temp_dir().join(format!("kvq-index-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in [
+            "consolidated.safetensors",
+            "model-00001-of-00002.safetensors",
+        ] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        assert_eq!(
+            safetensors_files(&dir).unwrap(),
+            [dir.join("model-00001-of-00002.safetensors")]
+        );
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "model-00001-of-00002.safetensors",
+                               "b": "model-00002-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let err = safetensors_files(&dir).unwrap_err().to_string();
+        assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+        std::fs::write(dir.join("model-00002-of-00002.safetensors"), b"").unwrap();
+        assert_eq!(safetensors_files(&dir).unwrap().len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

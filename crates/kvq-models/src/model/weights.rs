@@ -7,6 +7,7 @@ use super::q4_1::Q41Weight;
 use crate::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
 use candle_core::{DType, Device, Module, Tensor};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -128,47 +129,106 @@ pub trait WeightSource {
     }
 }
 
-/// Weights read from a GGUF file; quantized tensors stay quantized.
+/// Weights read from a GGUF file, or from every part of a split one; quantized tensors stay
+/// quantized.
 pub struct GgufWeights {
-    content: gguf_file::Content,
-    file: std::fs::File,
-    path: PathBuf,
+    /// The parts in order; the first holds the model's metadata.
+    parts: Vec<GgufPart>,
+    /// Which part holds each tensor.
+    index: HashMap<String, usize>,
     device: Device,
 }
 
+struct GgufPart {
+    content: gguf_file::Content,
+    file: std::fs::File,
+    path: PathBuf,
+}
+
 impl GgufWeights {
-    /// Opens `path` and reads its header.
+    /// Opens `path` and reads its header; for a part of a split GGUF
+    /// (`Name-00001-of-00003.gguf`), every part's.
     pub fn open(path: &Path, device: &Device) -> Result<Self> {
-        let mut file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| ModelError::Invalid(format!("{}: {e}", path.display())))?;
-        Ok(Self {
-            content,
-            file,
-            path: path.to_path_buf(),
+        let paths = crate::files::gguf_shards(path)?;
+        let mut parts = Vec::with_capacity(paths.len());
+        let mut index = HashMap::new();
+        for (i, path) in paths.into_iter().enumerate() {
+            let mut file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
+            let content = gguf_file::Content::read(&mut file)
+                .map_err(|e| ModelError::Invalid(format!("{}: {e}", path.display())))?;
+            for name in content.tensor_infos.keys() {
+                index.entry(name.clone()).or_insert(i);
+            }
+            parts.push(GgufPart {
+                content,
+                file,
+                path,
+            });
+        }
+        let weights = Self {
+            parts,
+            index,
             device: device.clone(),
-        })
+        };
+        weights.check_split()?;
+        Ok(weights)
     }
 
-    /// The GGUF header: metadata and tensor directory.
+    /// A split GGUF's first part says how many parts and tensors there are (`split.count`,
+    /// `split.tensors.count`); what was opened must agree.
+    fn check_split(&self) -> Result<()> {
+        let meta = &self.content().metadata;
+        // llama.cpp writes split.count as u16 and split.tensors.count as i32.
+        let count = |key: &str| {
+            meta.get(key).and_then(|v| match v {
+                gguf_file::Value::I32(n) => u64::try_from(*n).ok(),
+                gguf_file::Value::I64(n) => u64::try_from(*n).ok(),
+                v => v.to_u64().ok(),
+            })
+        };
+        let parts = count("split.count").unwrap_or(1);
+        let first = &self.parts[0].path;
+        if parts != self.parts.len() as u64 {
+            return Err(ModelError::Invalid(format!(
+                "{} says the model is split into {parts} parts, but {} {} found by name \
+                 (parts are named Name-00001-of-{parts:05}.gguf and so on)",
+                first.display(),
+                self.parts.len(),
+                if self.parts.len() == 1 { "was" } else { "were" },
+            )));
+        }
+        if let Some(tensors) = count("split.tensors.count")
+            && tensors != self.index.len() as u64
+        {
+            return Err(ModelError::Invalid(format!(
+                "{}: the split GGUF names {tensors} tensors, its parts hold {}",
+                first.display(),
+                self.index.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The GGUF header of the (first) file: metadata and its tensor directory.
     pub fn content(&self) -> &gguf_file::Content {
-        &self.content
+        &self.parts[0].content
     }
 
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
-        if !self.contains(name) {
+        let Some(&i) = self.index.get(name) else {
             return Err(ModelError::Invalid(format!(
                 "{} has no tensor '{name}'",
-                self.path.display()
+                self.parts[0].path.display()
             )));
-        }
-        Ok(self.content.tensor(&mut self.file, name, &self.device)?)
+        };
+        let part = &mut self.parts[i];
+        Ok(part.content.tensor(&mut part.file, name, &self.device)?)
     }
 }
 
 impl WeightSource for GgufWeights {
     fn contains(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
+        self.index.contains_key(name)
     }
 
     fn linear(&mut self, prefix: &str) -> Result<Linear> {
@@ -202,7 +262,7 @@ impl WeightSource for GgufWeights {
     }
 
     fn len(&self) -> usize {
-        self.content.tensor_infos.len()
+        self.index.len()
     }
 }
 

@@ -99,32 +99,31 @@ fn hash_file(path: &Path) -> Result<[u8; 32], CalibrateError> {
     Ok(h.finalize().into())
 }
 
-/// The content hash identifying a model's weights: the sha256 of a GGUF file; for a Hugging
-/// Face directory (or id in the local hub cache), the sha256 over each `*.safetensors` file's
-/// name and sha256, in name order.
+/// The content hash identifying a model's weights: the sha256 of a GGUF file (of a split one,
+/// the sha256 over its parts' sha256s, in order); for a Hugging Face directory (a hub snapshot
+/// is one), the sha256 over each weight file's name and sha256, in name order.
 pub fn model_hash(path: &Path) -> Result<String, CalibrateError> {
-    let resolved = if path.exists() {
-        path.to_path_buf()
-    } else {
-        path.to_str()
-            .and_then(kvq_models::loader::resolve_hf_id)
-            .ok_or_else(|| CalibrateError::Invalid(format!("{} not found", path.display())))?
-    };
-    if !resolved.is_dir() {
-        return Ok(hex(&hash_file(&resolved)?));
-    }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&resolved)
-        .map_err(io(&resolved))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
+    if !path.exists() {
         return Err(CalibrateError::Invalid(format!(
-            "{} has no *.safetensors files to identify the model by",
-            resolved.display()
+            "{} not found",
+            path.display()
         )));
     }
+    if !path.is_dir() {
+        let parts = kvq_models::files::gguf_shards(path)
+            .map_err(|e| CalibrateError::Invalid(e.to_string()))?;
+        if let [single] = parts.as_slice() {
+            return Ok(hex(&hash_file(single)?));
+        }
+        let mut h = Sha256::new();
+        for part in &parts {
+            h.update(hash_file(part)?);
+        }
+        return Ok(hex(&h.finalize()));
+    }
+    // The files the loader reads (an index's shards, else the usual names).
+    let files = kvq_models::loader::safetensors_files(path)
+        .map_err(|e| CalibrateError::Invalid(format!("{e}: nothing to identify the model by")))?;
     let mut h = Sha256::new();
     for f in &files {
         let name = f.file_name().map(|n| n.to_string_lossy().into_owned());

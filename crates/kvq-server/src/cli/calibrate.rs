@@ -3,7 +3,7 @@
 //! `vecinfer.safetensors` and `vecinfer.json` to `--out`, by default where the server looks for
 //! them: `$KVQ_CACHE_DIR` (or `~/.cache/kvq`) `/calibration/<model sha256>/`.
 
-use super::model::{load_with_progress, resolve_model_path};
+use super::model::{load_with_progress, resolve_model};
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -16,7 +16,8 @@ use std::time::Instant;
 
 #[derive(Debug, Args)]
 pub struct CalibrateArgs {
-    /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
+    /// A GGUF file, a Hugging Face model directory, or a Hub id (org/repo[:QUANT][@REVISION])
+    /// (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// The text to run (plain UTF-8). Never calibrate on the text you evaluate on.
@@ -86,7 +87,8 @@ pub async fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         || args.text.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let path = resolve_model_path(args.model.clone())?;
+    let choice = resolve_model(args.model.as_deref()).await?;
+    let path = choice.path.clone();
     let hashing = bar(0, "hashing the model");
     hashing.enable_steady_tick(std::time::Duration::from_millis(120));
     let hash_path = path.clone();
@@ -95,7 +97,7 @@ pub async fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         .context("the hashing task failed")?
         .with_context(|| format!("could not hash the model {}", path.display()))?;
     hashing.finish_and_clear();
-    let model = load_with_progress(path.clone(), super::device::DeviceArg::Cpu).await?;
+    let model = load_with_progress(&choice, super::device::DeviceArg::Cpu).await?;
     let opts = CalibrateOptions {
         tokens: args.tokens,
         kmeans_samples: args.samples,

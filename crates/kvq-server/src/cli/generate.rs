@@ -1,7 +1,7 @@
 //! `kvq generate`: one prompt (raw, or as a user message with `--chat`), streamed to stdout as
 //! it is generated; token counts, speed and KV cache bytes go to stderr.
 
-use super::model::{load_with_progress, resolve_model_path};
+use super::model::{load_with_progress, resolve_model};
 use anyhow::{Context, bail};
 use clap::Args;
 use kvq_cache::CacheSpec;
@@ -28,7 +28,8 @@ pub struct GenerateArgs {
     /// Random seed, for reproducible sampling.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
+    /// A GGUF file, a Hugging Face model directory, or a Hub id (org/repo[:QUANT][@REVISION])
+    /// (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
@@ -64,9 +65,9 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
 
-    let path = resolve_model_path(args.model.clone())?;
+    let choice = resolve_model(args.model.as_deref()).await?;
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
-    let mut registry = registry_for(&path);
+    let mut registry = registry_for(&choice.path);
     super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     let spec = CacheSpec {
         method: args.kv_cache_method.clone(),
@@ -74,7 +75,7 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     let cache = registry.resolve(&spec).context("--kv-cache-method")?;
 
-    let model = load_with_progress(path, args.device).await?;
+    let model = load_with_progress(&choice, args.device).await?;
     let engine = Engine::start(
         model,
         EngineConfig {

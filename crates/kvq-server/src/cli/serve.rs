@@ -2,7 +2,7 @@
 //! `kvq listening on http://ADDR` and serve until ctrl-c. Flags win over the config file, which
 //! wins over the defaults.
 
-use super::model::{load_with_progress, resolve_model_path};
+use super::model::{load_with_progress, resolve_model};
 use anyhow::Context;
 use clap::Args;
 use kvq_engine::{Engine, EngineConfig};
@@ -25,7 +25,9 @@ pub struct ServeArgs {
     /// Port to listen on; 0 picks a free one (the bound address is printed) [default: 8080].
     #[arg(long)]
     pub port: Option<u16>,
-    /// A GGUF file, a Hugging Face model directory or id (default: SmolLM2-135M-Instruct).
+    /// A GGUF file, a Hugging Face model directory, or a Hub id downloaded into the hub cache:
+    /// org/repo, org/repo:QUANT (a GGUF quantization), org/repo@REVISION (default:
+    /// SmolLM2-135M-Instruct from models/).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
@@ -218,8 +220,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.serve.max_header_bytes >= 8192,
         "--max-header-bytes must be at least 8192"
     );
-    let path = resolve_model_path(args.model)?;
-    let model = load_with_progress(path.clone(), args.device).await?;
+    let choice = resolve_model(args.model.as_deref()).await?;
+    let model = load_with_progress(&choice, args.device).await?;
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
@@ -227,7 +229,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let engine = Engine::start(model, config);
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
-    let mut registry = registry_for(&path);
+    let mut registry = registry_for(&choice.path);
     super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     if let Some(m) = &args.default_method {
         registry.set_default(m)?;

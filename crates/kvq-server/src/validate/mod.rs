@@ -98,23 +98,39 @@ pub struct ValidatedCompletion {
 }
 
 /// Checks the `model` field against the served model's id, case-insensitively. Also accepted:
-/// an `org/name` form whose last part matches, and the id without a file-style suffix (`X` for
-/// a served `X.Q4_1`). A missing model means the served one.
+/// an `org/name` form whose last part matches, the id without a file-style suffix (`X` for a
+/// served `X.Q4_1`), and for a model served under a Hub id (`org/repo:QUANT@rev`) the repo
+/// with or without its org, tag and revision. A missing model means the served one.
 pub fn check_model(requested: Option<&str>, served: &str) -> Result<String, ApiError> {
     let Some(requested) = requested.map(str::trim).filter(|m| !m.is_empty()) else {
         return Ok(served.to_string());
     };
-    let last = requested.rsplit('/').next().unwrap_or(requested);
-    let matches = |name: &str| {
-        if name.eq_ignore_ascii_case(served) {
-            return true;
-        }
-        match (served.get(..name.len()), served.get(name.len()..)) {
-            (Some(head), Some(tail)) => head.eq_ignore_ascii_case(name) && tail.starts_with('.'),
-            _ => false,
+    let untagged = |s: &str| -> String {
+        match s.contains('/') {
+            true => s[..s.find([':', '@']).unwrap_or(s.len())].to_string(),
+            false => s.to_string(),
         }
     };
-    if matches(requested) || matches(last) {
+    let tail = |s: &str| s.rsplit('/').next().unwrap_or(s).to_string();
+    let forms = |s: &str| {
+        let u = untagged(s);
+        [s.to_string(), tail(s), tail(&u), u]
+    };
+    let served_forms = forms(served);
+    let matches = |name: &str| {
+        served_forms.iter().any(|served| {
+            if name.eq_ignore_ascii_case(served) {
+                return true;
+            }
+            match (served.get(..name.len()), served.get(name.len()..)) {
+                (Some(head), Some(tail)) => {
+                    head.eq_ignore_ascii_case(name) && tail.starts_with('.')
+                }
+                _ => false,
+            }
+        })
+    };
+    if forms(requested).iter().any(|r| matches(r)) {
         Ok(served.to_string())
     } else {
         Err(ApiError::ModelNotFound {

@@ -124,6 +124,33 @@ fn model_checks() {
 }
 
 #[test]
+fn a_model_served_under_a_hub_id_answers_to_its_forms() {
+    let served = "bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M";
+    for ok in [
+        served,
+        "bartowski/llama-3.2-1b-instruct-gguf:q4_k_m",
+        "bartowski/Llama-3.2-1B-Instruct-GGUF",
+        "Llama-3.2-1B-Instruct-GGUF",
+        "Llama-3.2-1B-Instruct-GGUF:Q4_K_M",
+        "other-org/Llama-3.2-1B-Instruct-GGUF",
+    ] {
+        assert_eq!(check_model(Some(ok), served).unwrap(), served, "{ok}");
+    }
+    for bad in [
+        "bartowski/Llama-3.2-3B-Instruct-GGUF",
+        "Q4_K_M",
+        "bartowski",
+    ] {
+        assert!(check_model(Some(bad), served).is_err(), "{bad}");
+    }
+    let pinned = "HuggingFaceTB/SmolLM2-360M-Instruct@main";
+    assert_eq!(
+        check_model(Some("SmolLM2-360M-Instruct"), pinned).unwrap(),
+        pinned
+    );
+}
+
+#[test]
 fn messages_checks() {
     assert_bad(
         chat(json!({"model": MODEL})),

@@ -25,7 +25,7 @@ pub(super) fn wanted(args: &BenchArgs) -> bool {
 /// pair, without reporting (`--plot`, `--compare-llama-bench`), in this process (`--no-isolate`).
 pub(super) fn child_args(
     args: &BenchArgs,
-    model: &Path,
+    choice: &super::super::model::ModelChoice,
     method: &str,
     ctx: usize,
     json: &Path,
@@ -35,7 +35,10 @@ pub(super) fn child_args(
         a.push(name.into());
         a.push(value);
     };
-    opt("--model", model.into());
+    opt("--model", choice.path.as_os_str().into());
+    if let Some(id) = &choice.id {
+        opt("--model-id", id.into());
+    }
     opt("--methods", method.into());
     opt("--ctx", ctx.to_string().into());
     opt("--gen-tokens", args.gen_tokens.to_string().into());
@@ -80,7 +83,11 @@ pub(super) fn context_length(model: &Path) -> Option<usize> {
 }
 
 /// Measures every (method, ctx) pair in a child process of its own, methods outermost.
-pub(super) fn measure(args: &BenchArgs, model: &Path) -> anyhow::Result<Vec<BenchRow>> {
+pub(super) fn measure(
+    args: &BenchArgs,
+    choice: &super::super::model::ModelChoice,
+) -> anyhow::Result<Vec<BenchRow>> {
+    let model = choice.path.as_path();
     if let Some(ctx) = context_length(model) {
         super::check_context(args, ctx)?;
     }
@@ -102,7 +109,7 @@ pub(super) fn measure(args: &BenchArgs, model: &Path) -> anyhow::Result<Vec<Benc
         eprintln!("{tag}: measuring in a child process");
         let t0 = Instant::now();
         let status = Command::new(&exe)
-            .args(child_args(args, model, method, ctx, &json))
+            .args(child_args(args, choice, method, ctx, &json))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

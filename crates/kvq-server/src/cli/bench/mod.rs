@@ -11,7 +11,7 @@
 //! `--from-json` skips measuring: it merges the rows of earlier runs (their samples pooled), so
 //! interleaved rounds of kvq and llama.cpp on a noisy machine can be reported as one result.
 
-use super::model::{load_with_progress, resolve_model_path};
+use super::model::{ModelChoice, load_with_progress, resolve_model};
 use anyhow::{Context, ensure};
 use clap::Args;
 use kvq_cache::{CacheSpec, LayerCaches, ResolvedCache};
@@ -25,9 +25,14 @@ pub use llama::LlamaCpp;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).
+    /// A GGUF file, a Hugging Face model directory, or a Hub id (org/repo[:QUANT][@REVISION])
+    /// (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The id to report the model under (what a Hub id resolved to is a snapshot path; the
+    /// parent passes the id on to its children).
+    #[arg(long, hide = true)]
+    pub model_id: Option<String>,
     /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
     /// this binary has it and a GPU answers, else the CPU).
     #[arg(long, default_value = "auto")]
@@ -206,14 +211,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         rows::merge_runs(&args.from_json)?
     } else {
         validate(&args)?;
-        let path = resolve_model_path(args.model.clone())?;
+        let mut choice = resolve_model(args.model.as_deref()).await?;
+        if let Some(id) = &args.model_id {
+            choice.id = Some(id.clone());
+        }
+        let path = choice.path.clone();
         // Resolving here also makes a missing VecInfer calibration once, in this process, not in
         // a child whose peak RSS it would inflate; an unknown name fails before anything runs.
         let methods = resolve_methods(&args, &path)?;
         if isolate::wanted(&args) {
-            isolate::measure(&args, &path)?
+            isolate::measure(&args, &choice)?
         } else {
-            measure_all(&args, path, methods).await?
+            measure_all(&args, &choice, methods).await?
         }
     };
     rows::derive(&mut rows);
@@ -309,10 +318,10 @@ fn resolve_methods(args: &BenchArgs, path: &Path) -> anyhow::Result<Vec<Resolved
 /// Measures every (method, ctx) pair in this process, methods outermost.
 async fn measure_all(
     args: &BenchArgs,
-    path: PathBuf,
+    choice: &ModelChoice,
     methods: Vec<ResolvedCache>,
 ) -> anyhow::Result<Vec<BenchRow>> {
-    let loaded = load_with_progress(path, args.device).await?;
+    let loaded = load_with_progress(choice, args.device).await?;
     let rss_loaded = memory::rss_bytes();
     check_context(args, loaded.model.config().context_length)?;
     let model_id = loaded.info.id.clone();

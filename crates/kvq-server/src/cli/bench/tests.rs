@@ -309,19 +309,18 @@ fn ctx_alias_chunk_default_and_isolation() {
         "--json",
         "all.json",
     ]);
-    let child = isolate::child_args(
-        &a,
-        Path::new("m.gguf"),
-        "turboquant-mse-3bit",
-        128,
-        Path::new("t.json"),
-    );
+    let choice = crate::cli::model::ModelChoice {
+        path: "snapshots/abc".into(),
+        id: Some("org/repo:Q4_K_M".into()),
+    };
+    let child = isolate::child_args(&a, &choice, "turboquant-mse-3bit", 128, Path::new("t.json"));
     let child: Vec<&str> = child.iter().map(|s| s.to_str().unwrap()).collect();
     assert_eq!(child[0], "bench");
     let narrowed = parse(&child[1..]);
     assert_eq!(narrowed.methods, vec!["turboquant-mse-3bit"]);
     assert_eq!(narrowed.prompt_tokens, vec![128]);
-    assert_eq!(narrowed.model.as_deref(), Some(Path::new("m.gguf")));
+    assert_eq!(narrowed.model.as_deref(), Some(Path::new("snapshots/abc")));
+    assert_eq!(narrowed.model_id.as_deref(), Some("org/repo:Q4_K_M"));
     assert_eq!(narrowed.json.as_deref(), Some(Path::new("t.json")));
     assert_eq!((narrowed.gen_tokens, narrowed.prefill_chunk), (4, 32));
     assert!(narrowed.no_warmup && narrowed.plot.is_none());

@@ -8,7 +8,7 @@ mod ppl;
 #[cfg(test)]
 mod tests;
 
-use super::model::{load_with_progress, resolve_model_path};
+use super::model::{load_with_progress, resolve_model};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use comfy_table::{Cell, CellAlignment, Table, presets::ASCII_MARKDOWN};
@@ -26,7 +26,8 @@ const BASELINE: &str = "fp16";
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct).
+    /// A GGUF file, a Hugging Face model directory, or a Hub id (org/repo[:QUANT][@REVISION])
+    /// (default: SmolLM2-135M-Instruct).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Where the model and its KV caches run: cpu, cuda, cuda:N, metal or auto (CUDA when
@@ -169,9 +170,9 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
     let Some(text_path) = &args.text else {
         bail!("--text is needed unless --replot is given");
     };
-    let path = resolve_model_path(args.model.clone())?;
+    let choice = resolve_model(args.model.as_deref()).await?;
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
-    let mut registry = registry_for(&path);
+    let mut registry = registry_for(&choice.path);
     super::presets::load(&mut registry, args.cache_presets.as_deref())?;
     let methods = parse_methods(&args.methods, &registry)?;
     let text = std::fs::read_to_string(text_path)
@@ -181,7 +182,7 @@ pub async fn run(args: EvalArgs) -> anyhow::Result<()> {
         Some(_) => Some(super::bench::plot::find_font(args.plot_font.as_deref())?),
         None => None,
     };
-    let loaded = load_with_progress(path, args.device).await?;
+    let loaded = load_with_progress(&choice, args.device).await?;
     let ctx = args.ctx;
     let model_ctx = loaded.model.config().context_length;
     ensure!(
