@@ -126,6 +126,14 @@ impl RowBuf {
         self.dtype
     }
 
+    /// An upper bound on [`Self::bytes`] while at most `held` positions are live at once
+    /// (the rows kept plus those being written): every allocation rounds `held` up to a step,
+    /// and a buffer that drops old rows (`rolling`) adds one step of slack.
+    pub fn max_bytes(&self, held: usize, rolling: bool) -> usize {
+        let cap = held.div_ceil(self.step) * self.step + if rolling { self.step } else { 0 };
+        self.heads * cap * self.width * self.dtype.size_in_bytes()
+    }
+
     /// Bytes allocated.
     pub fn bytes(&self) -> usize {
         self.heads * self.cap * self.width * self.dtype.size_in_bytes()

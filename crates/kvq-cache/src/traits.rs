@@ -82,6 +82,14 @@ pub trait KvCache: Send {
         let b = self.resident_bytes();
         (b / 2, b - b / 2)
     }
+    /// An upper bound on `resident_bytes` after each attend from now until this cache holds
+    /// `tokens` positions, appended at most `chunk` at a time with an attend after each append:
+    /// what admission reserves for a sequence (`kvq serve --kv-budget`). Within a step a
+    /// compressed layer holds a prompt chunk's fp16 rows until its attend (one layer at a time);
+    /// that transient is not counted. Counted from the cache's own allocation policy, given what
+    /// it knows now: a compressed layer not yet found sharp counts as coded, and once found
+    /// sharp (every key kept in fp16) counts that.
+    fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize;
     /// Drops every position at or after `n`.
     fn truncate(&mut self, n: usize) -> Result<()>;
     /// The method name, as the registry knows it.
@@ -137,6 +145,14 @@ impl LayerCaches {
     /// Sum of the layers' resident bytes.
     pub fn resident_bytes(&self) -> usize {
         self.layers.iter().map(|l| l.resident_bytes()).sum()
+    }
+
+    /// Sum of the layers' [`KvCache::reserve_bytes`].
+    pub fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.reserve_bytes(tokens, chunk))
+            .sum()
     }
 
     /// Sum of the layers' resident bytes, split into (key bytes, value bytes).

@@ -4,9 +4,10 @@
 use crate::EngineError;
 use crate::request::{GenerationRequest, GenerationStream};
 use crate::worker::{Job, Worker};
+use kvq_cache::{CacheGeometry, LayerCaches, ResolvedCache};
 use kvq_models::{ChatTemplate, LoadedModel, ModelInfo, Tokenizer};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
 
@@ -19,6 +20,10 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Prompt tokens processed per sequence per step (chunked prefill keeps decodes flowing).
     pub prefill_chunk: usize,
+    /// Bytes the KV caches of running sequences may reserve together (`None`: no limit). A
+    /// sequence reserves its worst case, prompt plus max_tokens under its own method
+    /// (`KvCache::reserve_bytes`), when admitted.
+    pub kv_budget: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -27,6 +32,7 @@ impl Default for EngineConfig {
             max_running: 16,
             max_waiting: 256,
             prefill_chunk: 512,
+            kv_budget: None,
         }
     }
 }
@@ -38,6 +44,26 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Resident KV bytes of all running sequences, by cache method.
     pub kv_bytes_by_method: BTreeMap<String, usize>,
+    /// Bytes the running sequences have reserved, by cache method.
+    pub kv_reserved_by_method: BTreeMap<String, usize>,
+    /// The budget the reservations share (`None`: no limit).
+    pub kv_budget: Option<usize>,
+    /// Requests admitted to run since start.
+    pub admitted: u64,
+    /// Requests refused since start: (the wait queue was full, they could never fit the budget).
+    pub rejected: (u64, u64),
+}
+
+impl EngineStats {
+    /// Bytes reserved by every running sequence.
+    pub fn kv_reserved(&self) -> usize {
+        self.kv_reserved_by_method.values().sum()
+    }
+
+    /// Resident bytes of every running sequence.
+    pub fn kv_resident(&self) -> usize {
+        self.kv_bytes_by_method.values().sum()
+    }
 }
 
 /// A cheap, clonable handle to the engine.
@@ -49,6 +75,8 @@ pub struct Engine {
 pub(crate) struct Shared {
     pub(crate) waiting: AtomicUsize,
     pub(crate) stats: Mutex<EngineStats>,
+    pub(crate) rejected_full: AtomicU64,
+    pub(crate) rejected_budget: AtomicU64,
 }
 
 struct Inner {
@@ -56,6 +84,8 @@ struct Inner {
     tokenizer: Arc<Tokenizer>,
     template: ChatTemplate,
     config: EngineConfig,
+    /// Each layer's attention geometry, for counting a request's KV bytes before it runs.
+    geoms: Vec<CacheGeometry>,
     jobs: Mutex<mpsc::Sender<Job>>,
     shared: Arc<Shared>,
 }
@@ -66,7 +96,12 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             waiting: AtomicUsize::new(0),
-            stats: Mutex::new(EngineStats::default()),
+            stats: Mutex::new(EngineStats {
+                kv_budget: config.kv_budget,
+                ..EngineStats::default()
+            }),
+            rejected_full: AtomicU64::new(0),
+            rejected_budget: AtomicU64::new(0),
         });
         let LoadedModel {
             model,
@@ -74,6 +109,7 @@ impl Engine {
             template,
             info,
         } = model;
+        let geoms = model.cache_geometries();
         let worker = Worker::new(model, tokenizer.clone(), config.clone(), shared.clone(), rx);
         std::thread::Builder::new()
             .name("kvq-engine".into())
@@ -86,6 +122,7 @@ impl Engine {
                 tokenizer,
                 template,
                 config,
+                geoms,
                 jobs: Mutex::new(tx),
                 shared,
             }),
@@ -107,9 +144,43 @@ impl Engine {
         &self.inner.template
     }
 
+    /// The scheduler's limits.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The KV bytes a sequence of `tokens` positions under `cache` reserves: the sum over layers
+    /// of [`kvq_cache::KvCache::reserve_bytes`], prompt chunks of the engine's size.
+    pub fn kv_need(&self, cache: &ResolvedCache, tokens: usize) -> Result<usize, EngineError> {
+        let caches = LayerCaches::new(cache.factory.as_ref(), &self.inner.geoms)?;
+        Ok(caches.reserve_bytes(tokens, self.inner.config.prefill_chunk.max(1)))
+    }
+
     /// Checks `req` against the model (prompt and max_tokens within the context, token ids in
-    /// the vocabulary, sane sampling values) and returns how many tokens it may generate.
-    pub fn validate(&self, req: &GenerationRequest) -> Result<usize, EngineError> {
+    /// the vocabulary, sane sampling values) and the KV budget; returns how many tokens it may
+    /// generate and the KV bytes it reserves.
+    pub fn validate(&self, req: &GenerationRequest) -> Result<(usize, usize), EngineError> {
+        let max_tokens = self.validate_tokens(req)?;
+        let tokens = req.prompt.len() + max_tokens;
+        let needs = self.kv_need(&req.cache, tokens)?;
+        if let Some(budget) = self.inner.config.kv_budget
+            && needs > budget
+        {
+            self.inner
+                .shared
+                .rejected_budget
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(EngineError::ExceedsBudget {
+                needs,
+                budget,
+                tokens,
+                method: req.cache.name.clone(),
+            });
+        }
+        Ok((max_tokens, needs))
+    }
+
+    fn validate_tokens(&self, req: &GenerationRequest) -> Result<usize, EngineError> {
         let max = self.inner.info.context_length;
         let prompt = req.prompt.len();
         if prompt == 0 {
@@ -179,11 +250,12 @@ impl Engine {
     /// Validates `req` and queues it. The returned stream yields `Delta`s then one `Finished`
     /// or `Error`; dropping it cancels the request and frees its cache.
     pub fn submit(&self, req: GenerationRequest) -> Result<GenerationStream, EngineError> {
-        let max_tokens = self.validate(&req)?;
+        let (max_tokens, kv_need) = self.validate(&req)?;
         let shared = &self.inner.shared;
         let waiting = shared.waiting.fetch_add(1, Ordering::SeqCst);
         if waiting >= self.inner.config.max_waiting {
             shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            shared.rejected_full.fetch_add(1, Ordering::Relaxed);
             return Err(EngineError::Overloaded(format!(
                 "{waiting} requests are already waiting"
             )));
@@ -192,6 +264,7 @@ impl Engine {
         let job = Job {
             req,
             max_tokens,
+            kv_need,
             events: tx,
             submitted: Instant::now(),
         };
@@ -217,7 +290,12 @@ impl Engine {
             .lock()
             .map(|s| s.clone())
             .unwrap_or_default();
-        s.waiting = self.inner.shared.waiting.load(Ordering::SeqCst);
+        let shared = &self.inner.shared;
+        s.waiting = shared.waiting.load(Ordering::SeqCst);
+        s.rejected = (
+            shared.rejected_full.load(Ordering::Relaxed),
+            shared.rejected_budget.load(Ordering::Relaxed),
+        );
         s
     }
 }

@@ -121,7 +121,7 @@ pub struct Usage {
 }
 
 /// What the engine sends back, in order: `Delta`s, then exactly one `Finished` or `Error`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum GenerationEvent {
     /// New text (possibly empty while a stop string might be forming) and, when a token was
     /// generated in this step, its id and logprobs. A final flush may carry text and no token.

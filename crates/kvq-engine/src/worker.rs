@@ -10,9 +10,9 @@ use crate::sampling::{Sampler, logprobs};
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, EngineStats};
 use kvq_cache::LayerCaches;
-use kvq_models::Tokenizer;
 use kvq_models::model::{Model, SeqStep};
 use kvq_models::tokenizer::IncrementalDecoder;
+use kvq_models::{ModelError, Tokenizer};
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -24,6 +24,8 @@ use tokio::sync::mpsc::UnboundedSender;
 pub(crate) struct Job {
     pub(crate) req: GenerationRequest,
     pub(crate) max_tokens: usize,
+    /// The KV bytes it reserves when admitted (`Engine::kv_need`).
+    pub(crate) kv_need: usize,
     pub(crate) events: UnboundedSender<GenerationEvent>,
     pub(crate) submitted: Instant,
 }
@@ -39,6 +41,16 @@ struct Seq {
     stop: StopMatcher,
     first_token: Option<Instant>,
     peak_kv: usize,
+    /// KV bytes reserved: its worst case, raised if a step finds it larger (a layer found
+    /// sharp keeps its keys in fp16).
+    reserved: usize,
+}
+
+impl Seq {
+    /// Positions this sequence may reach: prompt plus max_tokens.
+    fn max_len(&self) -> usize {
+        self.job.req.prompt.len() + self.job.max_tokens
+    }
 }
 
 pub(crate) struct Worker {
@@ -49,6 +61,7 @@ pub(crate) struct Worker {
     jobs: mpsc::Receiver<Job>,
     waiting: VecDeque<Job>,
     running: Vec<Seq>,
+    admitted: u64,
 }
 
 impl Worker {
@@ -67,6 +80,7 @@ impl Worker {
             jobs,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            admitted: 0,
         }
     }
 
@@ -92,17 +106,42 @@ impl Worker {
         }
     }
 
+    /// Bytes the running sequences have reserved.
+    fn reserved(&self) -> usize {
+        self.running.iter().map(|s| s.reserved).sum()
+    }
+
+    /// Admits waiting requests in order while they fit: under `max_running`, and their KV
+    /// reservation beside the running ones' within the budget. The first that does not fit
+    /// waits at the head of the queue and nothing passes it, so a stream of small requests
+    /// cannot starve a large one. (One that fits the budget alone always runs once nothing
+    /// else does; `validate` refused those that never fit.)
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running {
+            let Some(job) = self.waiting.front() else {
+                break;
+            };
+            if job.events.is_closed() {
+                self.waiting.pop_front();
+                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            }
+            if let Some(budget) = self.config.kv_budget
+                && !self.running.is_empty()
+                && self.reserved() + job.kv_need > budget
+            {
+                break;
+            }
             let Some(job) = self.waiting.pop_front() else {
                 break;
             };
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            if job.events.is_closed() {
-                continue;
-            }
             match self.model.new_caches(job.req.cache.factory.as_ref()) {
                 Ok(caches) => {
+                    let total = job.req.prompt.len() + job.max_tokens;
+                    let job_need = job
+                        .kv_need
+                        .max(caches.reserve_bytes(total, self.config.prefill_chunk.max(1)));
                     let sampler = Sampler::new(&job.req.sampling);
                     let stop = StopMatcher::new(&job.req.stop);
                     let decoder = IncrementalDecoder::new(self.tokenizer.clone(), true);
@@ -116,12 +155,12 @@ impl Worker {
                         stop,
                         first_token: None,
                         peak_kv: 0,
+                        reserved: job_need,
                     });
+                    self.admitted += 1;
                 }
                 Err(e) => {
-                    let _ = job
-                        .events
-                        .send(GenerationEvent::Error(EngineError::Internal(e.to_string())));
+                    let _ = job.events.send(GenerationEvent::Error(engine_error(e)));
                 }
             }
         }
@@ -153,11 +192,16 @@ impl Worker {
                     all_logits: false,
                 })
                 .collect();
-            model.forward(&mut steps)
+            model.forward_each(&mut steps)
         }));
+        // A sequence's own failure (its cache erring) is in its slot; only what fails the batch
+        // as a whole (a dense layer, a panic) fails every sequence.
         let logits = match result {
             Ok(Ok(l)) => l,
-            Ok(Err(e)) => return self.fail_all(e.to_string()),
+            Ok(Err(e)) => {
+                tracing::error!("model step failed: {e}");
+                return self.fail_all(e.to_string());
+            }
             Err(panic) => {
                 let msg = panic
                     .downcast_ref::<String>()
@@ -175,7 +219,24 @@ impl Worker {
             .zip(inputs.iter().zip(logits))
             .enumerate()
         {
+            let logit = match logit {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!("sequence failed: {e}");
+                    let _ = seq.job.events.send(GenerationEvent::Error(engine_error(e)));
+                    finished[i] = true;
+                    continue;
+                }
+            };
             seq.peak_kv = seq.peak_kv.max(seq.caches.resident_bytes());
+            let need = seq.caches.reserve_bytes(seq.max_len(), chunk);
+            if need > seq.reserved {
+                tracing::debug!(
+                    "a sequence's KV reservation grew from {} to {need} bytes",
+                    seq.reserved
+                );
+                seq.reserved = need;
+            }
             if seq.prefilled < seq.job.req.prompt.len() {
                 seq.prefilled += input.len();
                 if seq.prefilled < seq.job.req.prompt.len() {
@@ -214,16 +275,26 @@ impl Worker {
     fn publish_stats(&self) {
         let mut st = EngineStats {
             running: self.running.len(),
+            kv_budget: self.config.kv_budget,
+            admitted: self.admitted,
             ..EngineStats::default()
         };
         for s in &self.running {
-            *st.kv_bytes_by_method
-                .entry(s.caches.method().to_string())
-                .or_default() += s.caches.resident_bytes();
+            let method = s.caches.method().to_string();
+            *st.kv_reserved_by_method.entry(method.clone()).or_default() += s.reserved;
+            *st.kv_bytes_by_method.entry(method).or_default() += s.caches.resident_bytes();
         }
         if let Ok(mut g) = self.shared.stats.lock() {
             *g = st;
         }
+    }
+}
+
+/// The engine's error for a model error: a cache's own stays typed.
+fn engine_error(e: ModelError) -> EngineError {
+    match e {
+        ModelError::Cache(c) => EngineError::Cache(c),
+        other => EngineError::Internal(other.to_string()),
     }
 }
 

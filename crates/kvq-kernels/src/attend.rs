@@ -231,7 +231,7 @@ impl CustomOp3 for AttendOp {
                 v.range(kh, r0, r1),
                 o,
             );
-        });
+        })?;
         Ok((CpuStorage::F32(out), Shape::from((nh, t, d + 2))))
     }
 

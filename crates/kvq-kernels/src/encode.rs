@@ -50,7 +50,7 @@ impl CustomOp1 for EncodeOp {
         for_each_row(&mut out, cb, PARALLEL_ROWS, |i, code| {
             let (h, r) = (i / t.max(1), i % t.max(1));
             self.0.encode(h, x.range(h, r, r + 1), code);
-        });
+        })?;
         Ok((CpuStorage::U8(out), Shape::from((heads, t, cb))))
     }
 

@@ -40,7 +40,12 @@ pub enum ApiError {
     /// prompt + max_tokens does not fit the context (400, param `max_tokens`).
     #[error("{0}")]
     MaxTokensTooLarge(String),
-    /// The queue is full; retry shortly (503 with `Retry-After: 1`).
+    /// The request's KV cache could never fit the server's budget under its method (400,
+    /// param `max_tokens`, code `kv_cache_budget_exceeded`); the message names what it needs,
+    /// the budget and the methods that would fit.
+    #[error("{0}")]
+    KvBudgetExceeded(String),
+    /// The wait queue is full; retry shortly (429 with `Retry-After: 1`).
     #[error("{0}")]
     Overloaded(String),
     /// The engine has stopped (503).
@@ -105,13 +110,15 @@ impl ApiError {
         match self {
             Self::InvalidRequest { .. }
             | Self::ContextLengthExceeded { .. }
-            | Self::MaxTokensTooLarge(_) => StatusCode::BAD_REQUEST,
+            | Self::MaxTokensTooLarge(_)
+            | Self::KvBudgetExceeded(_) => StatusCode::BAD_REQUEST,
+            Self::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::ModelNotFound { .. } | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Overloaded(_) | Self::Unavailable(_) | Self::MethodUnavailable { .. } => {
+            Self::Unavailable(_) | Self::MethodUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -128,7 +135,8 @@ impl ApiError {
             | Self::MethodNotAllowed(_)
             | Self::RequestTooLarge { .. }
             | Self::ContextLengthExceeded { .. }
-            | Self::MaxTokensTooLarge(_) => "invalid_request_error",
+            | Self::MaxTokensTooLarge(_)
+            | Self::KvBudgetExceeded(_) => "invalid_request_error",
             Self::NotFound(_) => "not_found_error",
             Self::Overloaded(_)
             | Self::Unavailable(_)
@@ -145,7 +153,7 @@ impl ApiError {
             Self::ContextLengthExceeded { param, .. } | Self::MethodUnavailable { param, .. } => {
                 Some(param)
             }
-            Self::MaxTokensTooLarge(_) => Some("max_tokens"),
+            Self::MaxTokensTooLarge(_) | Self::KvBudgetExceeded(_) => Some("max_tokens"),
             _ => None,
         }
     }
@@ -162,6 +170,7 @@ impl ApiError {
             Self::RequestTooLarge { .. } => Some("request_too_large"),
             Self::ContextLengthExceeded { .. } => Some("context_length_exceeded"),
             Self::MaxTokensTooLarge(_) => Some("max_tokens_too_large"),
+            Self::KvBudgetExceeded(_) => Some("kv_cache_budget_exceeded"),
             Self::Overloaded(_) => Some("overloaded"),
             Self::Unavailable(_) => Some("unavailable"),
             Self::MethodUnavailable { .. } => Some("kv_cache_method_unavailable"),
@@ -200,9 +209,10 @@ impl ApiError {
             EngineError::MaxTokensTooLarge { .. } => Self::MaxTokensTooLarge(err.to_string()),
             EngineError::InvalidParameter { param, message } => Self::invalid(param, message),
             EngineError::EmptyPrompt => Self::invalid(prompt_param, err.to_string()),
+            EngineError::ExceedsBudget { .. } => Self::KvBudgetExceeded(err.to_string()),
             EngineError::Overloaded(_) => Self::Overloaded(err.to_string()),
             EngineError::Shutdown => Self::Unavailable(err.to_string()),
-            EngineError::Internal(_) => Self::Internal(err.to_string()),
+            EngineError::Cache(_) | EngineError::Internal(_) => Self::Internal(err.to_string()),
         }
     }
 
@@ -326,7 +336,7 @@ mod tests {
     async fn overloaded_has_retry_after() {
         let err = ApiError::from_engine(EngineError::Overloaded("queue full".into()), "messages");
         let (status, headers, v) = json_of(err).await;
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(
             headers
                 .get(header::RETRY_AFTER)

@@ -6,9 +6,11 @@ use crate::error::ApiError;
 use crate::metrics::record_usage;
 use crate::validate::ValidatedParams;
 use futures::{Stream, StreamExt};
-use kvq_cache::ResolvedCache;
+use kvq_cache::{CacheRegistry, CacheSpec, ResolvedCache};
+use kvq_engine::error::human_bytes;
 use kvq_engine::{
-    Engine, FinishReason, GenerationEvent, GenerationRequest, GenerationStream, LogprobInfo, Usage,
+    Engine, EngineError, FinishReason, GenerationEvent, GenerationRequest, GenerationStream,
+    LogprobInfo, Usage,
 };
 use rand::Rng;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -54,9 +56,11 @@ pub fn generation_request(
 }
 
 /// Submits `params.n` sequences. If one is refused, those already queued are dropped (and so
-/// cancelled) and the refusal is returned.
+/// cancelled) and the refusal is returned; a request too big for the KV budget is told which
+/// of `registry`'s methods would fit it.
 pub fn submit_all(
     engine: &Engine,
+    registry: &CacheRegistry,
     prompt: &[u32],
     params: &ValidatedParams,
     cache: &ResolvedCache,
@@ -65,11 +69,54 @@ pub fn submit_all(
     (0..params.n.max(1))
         .map(|i| {
             let req = generation_request(prompt.to_vec(), params, cache.clone(), i);
-            engine
-                .submit(req)
-                .map_err(|e| ApiError::from_engine(e, prompt_param))
+            engine.submit(req).map_err(|e| match e {
+                EngineError::ExceedsBudget { budget, tokens, .. } => {
+                    let fits = methods_that_fit(engine, registry, tokens, budget);
+                    ApiError::KvBudgetExceeded(format!("{e}. {fits}"))
+                }
+                e => ApiError::from_engine(e, prompt_param),
+            })
         })
         .collect()
+}
+
+/// "turboquant-mse-3bit needs 0.30 GiB, ..." for the methods whose reservation for `tokens`
+/// positions fits `budget`, least compressed first. VecInfer is left out: resolving it may start
+/// a calibration run.
+fn methods_that_fit(
+    engine: &Engine,
+    registry: &CacheRegistry,
+    tokens: usize,
+    budget: usize,
+) -> String {
+    let mut fits: Vec<(String, usize)> = registry
+        .names()
+        .into_iter()
+        .filter(|name| registry.base_method(name) != Some("vecinfer"))
+        .filter_map(|name| {
+            let spec = CacheSpec {
+                method: Some(name.clone()),
+                bits: None,
+            };
+            let need = engine
+                .kv_need(&registry.resolve(&spec).ok()?, tokens)
+                .ok()?;
+            (need <= budget).then_some((name, need))
+        })
+        .collect();
+    if fits.is_empty() {
+        return "No kv cache method of this server fits it: lower max_tokens or shorten the prompt."
+            .into();
+    }
+    fits.sort_by_key(|(name, need)| (std::cmp::Reverse(*need), name.clone()));
+    let list: Vec<String> = fits
+        .iter()
+        .map(|(name, need)| format!("{name} needs {}", human_bytes(*need)))
+        .collect();
+    format!(
+        "Methods that would fit (header x-kv-cache-method): {}",
+        list.join(", ")
+    )
 }
 
 /// One choice, generated to the end.

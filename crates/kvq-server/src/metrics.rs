@@ -17,6 +17,10 @@ pub const DECODE_TOKENS_PER_SECOND: &str = "kvq_decode_tokens_per_second";
 pub const KV_CACHE_BYTES: &str = "kvq_kv_cache_bytes";
 pub const REQUESTS_RUNNING: &str = "kvq_requests_running";
 pub const REQUESTS_WAITING: &str = "kvq_requests_waiting";
+pub const KV_BUDGET_BYTES: &str = "kvq_kv_budget_bytes";
+pub const KV_RESERVED_BYTES: &str = "kvq_kv_reserved_bytes";
+pub const REQUESTS_ADMITTED: &str = "kvq_requests_admitted_total";
+pub const REQUESTS_REJECTED: &str = "kvq_requests_rejected_total";
 
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -79,6 +83,21 @@ fn describe() {
     );
     metrics::describe_gauge!(REQUESTS_RUNNING, "Sequences generating now");
     metrics::describe_gauge!(REQUESTS_WAITING, "Requests queued for admission");
+    metrics::describe_gauge!(
+        KV_BUDGET_BYTES,
+        metrics::Unit::Bytes,
+        "KV bytes the running sequences may reserve together (absent: no limit)"
+    );
+    metrics::describe_gauge!(
+        KV_RESERVED_BYTES,
+        metrics::Unit::Bytes,
+        "KV bytes reserved by running sequences (their worst case), by method"
+    );
+    metrics::describe_counter!(REQUESTS_ADMITTED, "Requests admitted to run");
+    metrics::describe_counter!(
+        REQUESTS_REJECTED,
+        "Requests refused: reason queue_full (429) or kv_budget (400)"
+    );
 }
 
 /// Middleware counting every response in `kvq_requests_total{endpoint,status}`. Unmatched
@@ -123,4 +142,18 @@ pub fn set_engine_gauges(stats: &EngineStats, methods: &[String]) {
     for (method, bytes) in &stats.kv_bytes_by_method {
         metrics::gauge!(KV_CACHE_BYTES, "method" => method.clone()).set(*bytes as f64);
     }
+    for method in methods {
+        let reserved = stats
+            .kv_reserved_by_method
+            .get(method)
+            .copied()
+            .unwrap_or(0);
+        metrics::gauge!(KV_RESERVED_BYTES, "method" => method.clone()).set(reserved as f64);
+    }
+    if let Some(budget) = stats.kv_budget {
+        metrics::gauge!(KV_BUDGET_BYTES).set(budget as f64);
+    }
+    metrics::counter!(REQUESTS_ADMITTED).absolute(stats.admitted);
+    metrics::counter!(REQUESTS_REJECTED, "reason" => "queue_full").absolute(stats.rejected.0);
+    metrics::counter!(REQUESTS_REJECTED, "reason" => "kv_budget").absolute(stats.rejected.1);
 }

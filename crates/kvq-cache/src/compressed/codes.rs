@@ -102,6 +102,12 @@ impl Codes {
         Ok(compressed_attend(&self.keys, &self.values, p, q, kc, vc)?)
     }
 
+    /// An upper bound on the bytes of both code buffers while at most `held` positions are
+    /// live at once.
+    pub(super) fn max_bytes(&self, held: usize, rolling: bool) -> usize {
+        self.key_codes.max_bytes(held, rolling) + self.val_codes.max_bytes(held, rolling)
+    }
+
     /// Bytes held: (keys, values).
     pub(super) fn bytes(&self) -> (usize, usize) {
         (self.key_codes.bytes(), self.val_codes.bytes())

@@ -273,6 +273,24 @@ impl ExactRows {
         }
     }
 
+    /// An upper bound on the bytes of keys and values together after an attend, while at most
+    /// `recent` window positions and `min(tokens, sinks)` sinks are held then. Host rows are
+    /// Vecs grown by doubling, and [`Self::trim`] shrinks a window Vec past 5/4 of the window,
+    /// so each stays under twice the rows it holds; device window rows are a rolling
+    /// [`RowBuf`] that `shrink` compacts once it is over twice the window's size.
+    pub(super) fn max_bytes(&self, tokens: usize, recent: usize) -> usize {
+        let sinks = tokens.min(self.sinks);
+        let one = |rows: &Fp16Rows, held: usize, rolling: bool| match &rows.dev {
+            Some(buf) if rolling => 2 * buf.max_bytes(held, true),
+            Some(buf) => buf.max_bytes(held, false),
+            None => self.heads * 2 * held * self.d * 2,
+        };
+        one(&self.recent_k, recent, true)
+            + one(&self.recent_v, recent, true)
+            + one(&self.sink_k, sinks, false)
+            + one(&self.sink_v, sinks, false)
+    }
+
     /// Bytes held: (keys, values).
     pub(super) fn bytes(&self) -> (usize, usize) {
         (

@@ -294,6 +294,24 @@ impl KvCache for CompressedCache {
         (ck + xk, cv + xv)
     }
 
+    fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize {
+        let (tokens, chunk) = (tokens.max(self.len), chunk.max(1));
+        if self.center.is_exact() {
+            // A sharp layer holds no codes and every key and value in fp16.
+            return self.exact.max_bytes(tokens, tokens);
+        }
+        // After an attend the window rows are all there while the center and the sharpness
+        // are pending (up to position `sinks + CENTER_ROWS`), else the window's.
+        let pending = self.exact.sinks() + CENTER_ROWS + 1;
+        let recent = tokens.min(self.exact.window().max(pending) + 2);
+        // Code rows: every position, or under a rolling sliding window its span and a chunk.
+        let (codes, rolling) = match (self.geom.sliding_window, self.roll) {
+            (Some(w), true) if w + chunk < tokens => (w + chunk, true),
+            _ => (tokens, false),
+        };
+        self.codes.max_bytes(codes, rolling) + self.exact.max_bytes(tokens, recent)
+    }
+
     fn truncate(&mut self, n: usize) -> Result<()> {
         if n >= self.len {
             return Ok(());

@@ -125,38 +125,42 @@ impl Model {
 
     /// Runs every sequence's new tokens through the model in one batch: the dense work
     /// (projections, MLP, output) on all rows together, attention per sequence in its cache.
-    /// Returns each sequence's logits, `[1, vocab]` (or `[t, vocab]` with `all_logits`), in f32.
+    /// Returns each sequence's logits, `[1, vocab]` (or `[t, vocab]` with `all_logits`), in f32;
+    /// fails when any sequence fails.
     pub fn forward(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<Tensor>> {
+        self.forward_each(steps)?.into_iter().collect()
+    }
+
+    /// [`Model::forward`] where one sequence's failure is its own: a step with bad tokens, or
+    /// whose cache errs, gets its error in its slot while the others get their logits (the
+    /// failed one's later attention rows are zeros, and rows never mix in the dense layers). The
+    /// outer error is for what fails the batch as a whole (a projection, the output layer). A
+    /// failed sequence's caches are left part-way through the step: drop them.
+    pub fn forward_each(&self, steps: &mut [SeqStep<'_>]) -> Result<Vec<Result<Tensor>>> {
         let cfg = &self.cfg;
-        for s in steps.iter() {
-            if s.tokens.is_empty() {
-                return Err(ModelError::Invalid("a step with no tokens".into()));
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(ModelError::Invalid(format!(
-                    "token id {bad} is out of vocabulary"
-                )));
-            }
-            let pos = s.cache.len();
-            if pos + s.tokens.len() > cfg.context_length {
-                return Err(ModelError::Invalid(format!(
-                    "{} positions exceed the context length {}",
-                    pos + s.tokens.len(),
-                    cfg.context_length
-                )));
-            }
+        let mut results: Vec<Option<Result<Tensor>>> = steps
+            .iter()
+            .map(|s| self.check_step(s).err().map(Err))
+            .collect();
+        let mut live: Vec<(usize, &mut SeqStep<'_>)> = steps
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| results[*i].is_none())
+            .collect();
+        if live.is_empty() {
+            return Ok(results.into_iter().flatten().collect());
         }
         // Rows of long prompt chunks first (they take the dequantized GEMM), then the rest;
-        // `spans[i]` is step i's (row offset, rows, first position) in that order.
+        // `spans[j]` is live step j's (row offset, rows, first position) in that order.
         let long = |s: &SeqStep<'_>| s.tokens.len() >= DEQUANT_MIN_ROWS;
-        let mut order: Vec<usize> = (0..steps.len()).collect();
-        order.sort_by_key(|&i| !long(&steps[i]));
+        let mut order: Vec<usize> = (0..live.len()).collect();
+        order.sort_by_key(|&j| !long(live[j].1));
         let mut ids = Vec::new();
-        let mut spans = vec![(0, 0, 0); steps.len()];
+        let mut spans = vec![(0, 0, 0); live.len()];
         let mut dense_rows = 0;
-        for &i in &order {
-            let s = &steps[i];
-            spans[i] = (ids.len(), s.tokens.len(), s.cache.len());
+        for &j in &order {
+            let s = &live[j].1;
+            spans[j] = (ids.len(), s.tokens.len(), s.cache.len());
             ids.extend_from_slice(s.tokens);
             if long(s) {
                 dense_rows += s.tokens.len();
@@ -170,30 +174,23 @@ impl Model {
         }
         let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
+        let mut failed: Vec<Option<ModelError>> = (0..live.len()).map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.attn_norm.forward(&x)?;
             let (q, k, v) = layer.qkv.project(&h, dense_rows, nh, nkv, hd)?;
-            let mut outs = Vec::with_capacity(steps.len());
-            for (s, &(off, t, pos)) in steps.iter_mut().zip(&spans) {
-                let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
-                    Ok(x.narrow(0, off, t)?
-                        .reshape((t, n, hd))?
-                        .transpose(0, 1)?
-                        .contiguous()?)
-                };
-                let norm = |n: &Option<Norm>, x: Tensor| -> Result<Tensor> {
-                    match n {
-                        Some(n) => n.forward(&x),
-                        None => Ok(x),
+            let mut outs = Vec::with_capacity(live.len());
+            for (j, (_, s)) in live.iter_mut().enumerate() {
+                let (off, t, pos) = spans[j];
+                if failed[j].is_none() {
+                    match self.attend_one(layer, li, s.cache, (&q, &k, &v), (off, t, pos), scale) {
+                        Ok(o) => {
+                            outs.push(o);
+                            continue;
+                        }
+                        Err(e) => failed[j] = Some(e),
                     }
-                };
-                let qi = self.rope(&norm(&layer.q_norm, heads(&q, nh)?)?, li, pos, t)?;
-                let ki = self.rope(&norm(&layer.k_norm, heads(&k, nkv)?)?, li, pos, t)?;
-                let vi = heads(&v, nkv)?;
-                let cache = s.cache.layer(li);
-                cache.append(&ki, &vi)?;
-                let o = cache.attend(&qi, scale)?;
-                outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
+                }
+                outs.push(Tensor::zeros((t, nh * hd), q.dtype(), &self.device)?);
             }
             // Back in row order: `outs` is in step order, rows are long chunks first.
             let mut by_row: Vec<(usize, Tensor)> = spans.iter().map(|sp| sp.0).zip(outs).collect();
@@ -208,7 +205,7 @@ impl Model {
             x = layer.finish(&x, h, &attn, dense_rows)?;
         }
         let mut rows = Vec::new();
-        for (s, &(off, t, _)) in steps.iter().zip(&spans) {
+        for ((_, s), &(off, t, _)) in live.iter().zip(&spans) {
             if s.all_logits {
                 rows.extend((off..off + t).map(|r| r as u32));
             } else {
@@ -219,14 +216,72 @@ impl Model {
         let sel = x.index_select(&Tensor::from_vec(rows, nrows, &self.device)?, 0)?;
         let sel = self.norm.forward(&sel)?;
         let logits = self.output.forward(&sel)?.to_dtype(DType::F32)?;
-        let mut out = Vec::with_capacity(steps.len());
         let mut r = 0;
-        for (s, &(_, t, _)) in steps.iter().zip(&spans) {
+        for (((i, s), &(_, t, _)), fail) in live.iter().zip(&spans).zip(failed) {
             let k = if s.all_logits { t } else { 1 };
-            out.push(logits.narrow(0, r, k)?);
+            results[*i] = Some(match fail {
+                Some(e) => Err(e),
+                None => Ok(logits.narrow(0, r, k)?),
+            });
             r += k;
         }
-        Ok(out)
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Why step `s` cannot run (no tokens, a token outside the vocabulary, past the context).
+    fn check_step(&self, s: &SeqStep<'_>) -> Result<()> {
+        let cfg = &self.cfg;
+        if s.tokens.is_empty() {
+            return Err(ModelError::Invalid("a step with no tokens".into()));
+        }
+        if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is out of vocabulary"
+            )));
+        }
+        let pos = s.cache.len();
+        if pos + s.tokens.len() > cfg.context_length {
+            return Err(ModelError::Invalid(format!(
+                "{} positions exceed the context length {}",
+                pos + s.tokens.len(),
+                cfg.context_length
+            )));
+        }
+        Ok(())
+    }
+
+    /// One sequence's attention in layer `li`: its rows `off..off + t` of the projections,
+    /// normed and rotated at positions `pos..`, appended to its cache and attended; returns
+    /// `[t, n_heads * head_dim]`.
+    fn attend_one(
+        &self,
+        layer: &Layer,
+        li: usize,
+        cache: &mut LayerCaches,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (off, t, pos): (usize, usize, usize),
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.n_heads, self.cfg.n_kv_heads);
+        let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
+            Ok(x.narrow(0, off, t)?
+                .reshape((t, n, hd))?
+                .transpose(0, 1)?
+                .contiguous()?)
+        };
+        let norm = |n: &Option<Norm>, x: Tensor| -> Result<Tensor> {
+            match n {
+                Some(n) => n.forward(&x),
+                None => Ok(x),
+            }
+        };
+        let qi = self.rope(&norm(&layer.q_norm, heads(q, nh)?)?, li, pos, t)?;
+        let ki = self.rope(&norm(&layer.k_norm, heads(k, nkv)?)?, li, pos, t)?;
+        let vi = heads(v, nkv)?;
+        let cache = cache.layer(li);
+        cache.append(&ki, &vi)?;
+        let o = cache.attend(&qi, scale)?;
+        Ok(o.transpose(0, 1)?.reshape((t, nh * hd))?)
     }
 
     /// Rotary embedding of `[heads, t, d]` at positions `pos..pos + t`, with layer `layer`'s

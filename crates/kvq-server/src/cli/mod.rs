@@ -2,6 +2,7 @@
 //! logging setup, and model loading with a progress bar shared by all.
 
 mod bench;
+mod budget;
 mod calibrate;
 mod device;
 mod eval;

@@ -37,9 +37,16 @@ pub struct ServeArgs {
     /// Sequences generating at once [default: 16].
     #[arg(long)]
     pub max_running: Option<usize>,
-    /// Requests allowed to wait; past that requests get 503 with Retry-After [default: 256].
+    /// Requests allowed to wait; past that requests get 429 with Retry-After [default: 256].
     #[arg(long)]
     pub max_waiting: Option<usize>,
+    /// Bytes the KV caches of running sequences may reserve together: 8GiB, 512MiB, 2e9, a
+    /// share of the memory free once the model is loaded (60%: RAM for a CPU model, GPU memory
+    /// for a GPU one), or none. A request reserves its worst case under its own method (prompt
+    /// plus max_tokens) and waits until that fits; one that never fits is a 400 naming the
+    /// methods that would [default: 60%].
+    #[arg(long)]
+    pub kv_budget: Option<super::budget::KvBudget>,
     /// Largest request body accepted, in bytes (413 past it) [default: 4194304].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -92,6 +99,7 @@ struct FileConfig {
     model: Option<PathBuf>,
     max_running: Option<usize>,
     max_waiting: Option<usize>,
+    kv_budget: Option<String>,
     max_body_bytes: Option<usize>,
     max_n: Option<usize>,
     default_kv_cache_method: Option<String>,
@@ -114,6 +122,8 @@ struct Settings {
     device: super::device::DeviceArg,
     max_running: usize,
     max_waiting: usize,
+    /// The budget and whether it was given (a default that cannot be measured is dropped).
+    kv_budget: (super::budget::KvBudget, bool),
     max_body_bytes: usize,
     max_n: usize,
     default_method: Option<String>,
@@ -156,6 +166,15 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             .max_waiting
             .or(file.max_waiting)
             .unwrap_or(engine.max_waiting),
+        kv_budget: match (args.kv_budget, file.kv_budget) {
+            (Some(b), _) => (b, true),
+            (None, Some(b)) => (
+                b.parse()
+                    .map_err(|e: String| anyhow::anyhow!("kv_budget in the config file: {e}"))?,
+                true,
+            ),
+            (None, None) => (super::budget::DEFAULT, false),
+        },
         max_body_bytes: args
             .max_body_bytes
             .or(file.max_body_bytes)
@@ -222,9 +241,23 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let choice = resolve_model(args.model.as_deref()).await?;
     let model = load_with_progress(&choice, args.device).await?;
+    let (budget, given) = args.kv_budget;
+    let kv_budget = match budget.resolve(model.model.device()) {
+        Ok((bytes, how)) => {
+            let shown = bytes.map_or("none".into(), kvq_engine::error::human_bytes);
+            eprintln!("kvq KV budget: {shown} ({how}; --kv-budget)");
+            bytes
+        }
+        Err(e) if !given => {
+            tracing::warn!("no KV budget: {e:#}");
+            None
+        }
+        Err(e) => return Err(e),
+    };
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
+        kv_budget,
         ..EngineConfig::default()
     };
     let engine = Engine::start(model, config);
@@ -284,6 +317,7 @@ mod tests {
             device: None,
             max_running: None,
             max_waiting: None,
+            kv_budget: None,
             max_body_bytes: None,
             max_n: None,
             default_kv_cache_method: None,

@@ -58,7 +58,14 @@ pub async fn chat_completions(
     let engine = state.engine.clone();
     let messages = v.messages.clone();
     let prompt = tokenize_blocking(move || render_and_encode(&engine, &messages)).await?;
-    let rxs = submit_all(&state.engine, &prompt, &v.params, &cache, PROMPT_PARAM)?;
+    let rxs = submit_all(
+        &state.engine,
+        &state.registry,
+        &prompt,
+        &v.params,
+        &cache,
+        PROMPT_PARAM,
+    )?;
     let id = new_id("chatcmpl-");
     let created = unix_now();
 

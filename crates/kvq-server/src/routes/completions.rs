@@ -64,7 +64,14 @@ pub async fn completions(
     let engine = state.engine.clone();
     let (prompt, echo) = (v.prompt.clone(), v.echo);
     let (ids, echo_text) = tokenize_blocking(move || encode_prompt(&engine, &prompt, echo)).await?;
-    let rxs = submit_all(&state.engine, &ids, &v.params, &cache, PROMPT_PARAM)?;
+    let rxs = submit_all(
+        &state.engine,
+        &state.registry,
+        &ids,
+        &v.params,
+        &cache,
+        PROMPT_PARAM,
+    )?;
     let id = new_id("cmpl-");
     let created = unix_now();
 

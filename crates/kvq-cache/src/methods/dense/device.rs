@@ -93,6 +93,11 @@ impl DeviceRows {
         self.k.bytes() + self.v.bytes()
     }
 
+    /// An upper bound on [`Self::bytes`] while at most `held` positions are live.
+    pub(super) fn max_bytes(&self, held: usize, rolling: bool) -> usize {
+        self.k.max_bytes(held, rolling) + self.v.max_bytes(held, rolling)
+    }
+
     /// Causal attention of the last `t` of `len` positions' queries `q` (`[heads, t, d]` f32).
     pub(super) fn attend(
         &self,

@@ -405,6 +405,25 @@ impl<E: Element> KvCache for DenseCache<E> {
             .sum()
     }
 
+    fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize {
+        let tokens = tokens.max(self.len);
+        // Positions live at once: all, or under a rolling window the window and a chunk.
+        let held = match (self.geom.sliding_window, self.roll) {
+            (Some(w), true) => tokens.min(w + chunk.max(1)),
+            _ => tokens,
+        };
+        if let Some(dev) = &self.dev {
+            return dev.max_bytes(held, held < tokens);
+        }
+        // Blocks are allocated one per block index, so never more than `tokens` need; under
+        // a window, the live span's blocks plus one at each end and the spare.
+        let mut blocks = tokens.div_ceil(BLOCK_TOKENS);
+        if held < tokens {
+            blocks = blocks.min(held.div_ceil(BLOCK_TOKENS) + 2);
+        }
+        blocks * 2 * self.block_elems() * std::mem::size_of::<E>()
+    }
+
     fn truncate(&mut self, n: usize) -> Result<()> {
         if n >= self.len {
             return Ok(());

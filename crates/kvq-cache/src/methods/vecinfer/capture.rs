@@ -143,6 +143,10 @@ impl KvCache for CaptureCache {
         self.inner.resident_bytes()
     }
 
+    fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize {
+        self.inner.reserve_bytes(tokens, chunk)
+    }
+
     fn truncate(&mut self, n: usize) -> Result<()> {
         self.inner.truncate(n)
     }
