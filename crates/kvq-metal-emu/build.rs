@@ -63,6 +63,15 @@ const MUTANTS: &[Mutant] = &[
         )],
     ),
     (
+        // QJL: the barrier between the projection S q and the scores that read it, removed.
+        "qjl_no_barrier",
+        "qjl/attend.metal",
+        &[(
+            "a[g] * cq;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "a[g] * cq;\n  }\n",
+        )],
+    ),
+    (
         // The barrier between the split weights' writes and their reads, removed.
         "combine_no_barrier",
         "common/combine.metal",

@@ -1,11 +1,12 @@
 //! The emulated fused decode attention of the scalar-codebook methods
-//! (kernels/metal/turboquant_mse/attend.metal, TurboQuant-MSE and -RVQ) and the split merge
-//! (kernels/metal/common/combine.metal) against the CPU op (`compressed_attend` on the CPU, the
-//! reference crates/kvq-cache/tests/cuda_parity.rs holds the CUDA kernels to), on the same codes:
-//! relative L2 of the normalized output and the log-sum-exp, under every lane order, with every
-//! output poisoned with NaN first; and the negative controls (build.rs): a barrier removed from
-//! the attention's final reduction or from the combine, and a split boundary off by one row,
-//! each must be caught.
+//! (kernels/metal/turboquant_mse/attend.metal, TurboQuant-MSE and -RVQ), of QJL
+//! (kernels/metal/qjl/attend.metal) and the split merge (kernels/metal/common/combine.metal)
+//! against the CPU op (`compressed_attend` on the CPU, the reference
+//! crates/kvq-cache/tests/cuda_parity.rs holds the CUDA kernels to), on the same codes: relative
+//! L2 of the normalized output and the log-sum-exp, under every lane order, with every output
+//! poisoned with NaN first; and the negative controls (build.rs): a barrier removed from the
+//! attention's final reduction, from QJL's projection or from the combine, and a split boundary
+//! off by one row, each must be caught.
 
 use candle_core::{Device, Tensor};
 use kvq_cache::codec::rng::SplitMix;
@@ -420,14 +421,14 @@ fn combine_normalizes() {
     }
 }
 
-/// A negative control: under every lane order it fails the check on decode over 3000 positions.
-fn assert_caught(attend: &str, combine: &str) {
-    let c = mse(64, 4);
-    let x = inputs(&c, 64, 4, 3000, 1, decode_params(3000, 64), 9);
-    check(&c, &x, "kvq_attend_scalar", "kvq_combine", Order::Forward).expect("the real kernels");
+/// A negative control: under every lane order it fails the check on decode over 3000 positions
+/// (`real`: the kernel it is a copy of, which passes).
+fn assert_caught(c: &Case, real: &str, attend: &str, combine: &str) {
+    let x = inputs(c, 64, 4, 3000, 1, decode_params(3000, 64), 9);
+    check(c, &x, real, "kvq_combine", Order::Forward).expect("the real kernels");
     for order in ORDERS {
         assert!(
-            check(&c, &x, attend, combine, order).is_err(),
+            check(c, &x, attend, combine, order).is_err(),
             "{attend} + {combine} {order:?} passed the parity check"
         );
     }
@@ -435,15 +436,105 @@ fn assert_caught(attend: &str, combine: &str) {
 
 #[test]
 fn a_removed_reduction_barrier_is_caught() {
-    assert_caught("attend_no_barrier/kvq_attend_scalar", "kvq_combine");
+    assert_caught(
+        &mse(64, 4),
+        "kvq_attend_scalar",
+        "attend_no_barrier/kvq_attend_scalar",
+        "kvq_combine",
+    );
 }
 
 #[test]
 fn an_off_by_one_split_boundary_is_caught() {
-    assert_caught("attend_split_overlap/kvq_attend_scalar", "kvq_combine");
+    assert_caught(
+        &mse(64, 4),
+        "kvq_attend_scalar",
+        "attend_split_overlap/kvq_attend_scalar",
+        "kvq_combine",
+    );
 }
 
 #[test]
 fn a_removed_combine_barrier_is_caught() {
-    assert_caught("kvq_attend_scalar", "combine_no_barrier/kvq_combine");
+    assert_caught(
+        &mse(64, 4),
+        "kvq_attend_scalar",
+        "kvq_attend_scalar",
+        "combine_no_barrier/kvq_combine",
+    );
+}
+
+/// QJL's codecs as cuda_parity.rs runs them: the sketch sizes of the 3- and 4-bit presets (one
+/// and four exact outlier channels), values at 2 and 4 bits in groups of 64; and 8-bit values in
+/// groups of 32 with no outliers.
+fn qjl_cases(d: usize) -> Vec<Case> {
+    vec![
+        qjl(d, 3 * d - d / 8 * 3, 1, 2, 64.min(d)),
+        qjl(d, 4 * d + 8, 4, 4, 64.min(d)),
+        qjl(d, 2 * d, 0, 8, 32),
+    ]
+}
+
+/// QJL decode at head dim 64 and 128, GQA groups 1 and 4, over 1, 300 and 3000 positions.
+#[test]
+fn qjl_attend_equals_the_cpu_op() {
+    let mut seed = 2000;
+    for d in [64, 128] {
+        for c in &qjl_cases(d) {
+            for group in [1, 4] {
+                for n in [1, 300, 3000] {
+                    seed += 1;
+                    let x = inputs(c, d, group, n, 1, decode_params(n, d), seed);
+                    for order in ORDERS {
+                        check(c, &x, "kvq_attend_qjl", "kvq_combine", order).unwrap_or_else(|e| {
+                            panic!("{} d {d} g {group} n {n} {order:?}: {e}", c.name)
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// QJL over two head chunks, a prefill with its causal ranges, and a rolled sliding window.
+#[test]
+fn qjl_attend_ranges_equal_the_cpu_op() {
+    let c = &qjl_cases(64)[1];
+    let pos = 3000;
+    let rolled = AttendParams {
+        scale: 0.125,
+        first_pos: pos,
+        window: 64,
+        sinks: 4,
+        sliding_window: Some(1024),
+        code_first: pos + 1 - 1024,
+        exact_before: 16,
+    };
+    let prefill = AttendParams {
+        first_pos: 700 - 4,
+        ..decode_params(700, 64)
+    };
+    let shapes = [
+        ("g6", 6, 300, 1, decode_params(300, 64)),
+        ("rolled sliding", 3, 1024, 1, rolled),
+        ("prefill t5", 2, 700, 5, prefill),
+    ];
+    for (i, (name, group, n, t, p)) in shapes.into_iter().enumerate() {
+        let x = inputs(c, 64, group, n, t, p, 300 + i as u64);
+        for order in ORDERS {
+            check(c, &x, "kvq_attend_qjl", "kvq_combine", order)
+                .unwrap_or_else(|e| panic!("{name} {order:?}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn a_removed_qjl_projection_barrier_is_caught() {
+    let c = &qjl_cases(64)[1];
+    assert_caught(
+        c,
+        "kvq_attend_qjl",
+        "qjl_no_barrier/kvq_attend_qjl",
+        "kvq_combine",
+    );
 }
