@@ -26,7 +26,8 @@ kernel void kvq_combine(device const float* part [[buffer(0)]],
                         uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float wgt[KVQ_COMBINE_MAX_SPLITS];
   threadgroup float mred[KVQ_COMBINE_THREADS / 32];
-  if (row >= p.rows) return;
+  // More splits than the weights' array writes nothing (the host's plan never makes them).
+  if (row >= p.rows || p.n_splits > KVQ_COMBINE_MAX_SPLITS) return;
   const uint width = p.d + 2;
   device const float* pr = part + ulong(row) * p.n_splits * width;
   float m = -INFINITY;

@@ -93,7 +93,8 @@ kernel void kvq_attend_qjl(device const float* q [[buffer(0)]],
 
   const uint d = p.d, m = p.m;
   const uint per_t = p.kvh * p.hchunks * p.n_splits;
-  if (tg >= per_t * p.t) return;
+  // Shapes past the threadgroup arrays write nothing (the host's plan never makes them).
+  if (tg >= per_t * p.t || d > KVQ_QJL_MAX_D || m > KVQ_QJL_MAX_M || p.gb > KVQ_QJL_GB) return;
   const uint t = tg / per_t;
   const uint y = (tg % per_t) / p.n_splits;
   const uint split = tg % p.n_splits;
