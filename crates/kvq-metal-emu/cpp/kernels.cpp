@@ -38,6 +38,10 @@ namespace kvq_attend_no_barrier {
 #include KVQ_MUTANT_ATTEND_NO_BARRIER
 }  // namespace kvq_attend_no_barrier
 
+namespace kvq_attend_no_score_barrier {
+#include KVQ_MUTANT_ATTEND_NO_SCORE_BARRIER
+}  // namespace kvq_attend_no_score_barrier
+
 namespace kvq_attend_split_overlap {
 #include KVQ_MUTANT_ATTEND_SPLIT_OVERLAP
 }  // namespace kvq_attend_split_overlap
@@ -155,6 +159,9 @@ const std::map<std::string, Entry>& table() {
       {"attend_no_barrier/kvq_attend_scalar",
        attend_scalar<kvq_attend_no_barrier::ScalarAttendParams>(
            kvq_attend_no_barrier::kvq_attend_scalar)},
+      {"attend_no_score_barrier/kvq_attend_scalar",
+       attend_scalar<kvq_attend_no_score_barrier::ScalarAttendParams>(
+           kvq_attend_no_score_barrier::kvq_attend_scalar)},
       {"attend_split_overlap/kvq_attend_scalar",
        attend_scalar<kvq_attend_split_overlap::ScalarAttendParams>(
            kvq_attend_split_overlap::kvq_attend_scalar)},
