@@ -542,10 +542,12 @@ fn qjl_attend_equals_the_cpu_op() {
     }
 }
 
-/// QJL over two head chunks, a prefill with its causal ranges, and a rolled sliding window.
+/// QJL over two head chunks, a prefill with its causal ranges, and a rolled sliding window; and
+/// value groups of 4 coordinates at 2 bits, narrower than the 8 coordinates a thread decodes.
 #[test]
 fn qjl_attend_ranges_equal_the_cpu_op() {
     let c = &qjl_cases(64)[1];
+    let narrow = qjl(64, 128, 2, 2, 4);
     let pos = 3000;
     let rolled = AttendParams {
         scale: 0.125,
@@ -564,8 +566,10 @@ fn qjl_attend_ranges_equal_the_cpu_op() {
         ("g6", 6, 300, 1, decode_params(300, 64)),
         ("rolled sliding", 3, 1024, 1, rolled),
         ("prefill t5", 2, 700, 5, prefill),
+        ("groups of 4", 4, 300, 1, decode_params(300, 64)),
     ];
     for (i, (name, group, n, t, p)) in shapes.into_iter().enumerate() {
+        let c = if i == 3 { &narrow } else { c };
         let x = inputs(c, 64, group, n, t, p, 300 + i as u64);
         for order in ORDERS {
             check(c, &x, "kvq_attend_qjl", "kvq_combine", order)
