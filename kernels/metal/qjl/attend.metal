@@ -116,7 +116,8 @@ kernel void kvq_attend_qjl(device const float* q [[buffer(0)]],
     return;
   }
 
-  for (uint i = tid; i < gb * d; i += KVQ_QJL_THREADS) qs[i] = q[((h0 + i / d) * p.t + t) * d + i % d];
+  for (uint i = tid; i < gb * d; i += KVQ_QJL_THREADS)
+    qs[i] = q[((h0 + i / d) * p.t + t) * d + i % d];
   if (tid < KVQ_QJL_GB) {
     mstate[tid] = -INFINITY;
     lstate[tid] = 0.0f;

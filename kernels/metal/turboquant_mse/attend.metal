@@ -226,7 +226,8 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
       const ulong v = index_group(row + 2, cg, p.vbits);
       for (uint j = 0; j < 8; j++) {
         const float L = vlv[(v >> (j * p.vbits)) & vmask];
-        for (uint g = 0; g < gb; g++) acc[g][j] = fma(sc[g * KVQ_ATTEND_THREADS + i] * norm, L, acc[g][j]);
+        for (uint g = 0; g < gb; g++)
+          acc[g][j] = fma(sc[g * KVQ_ATTEND_THREADS + i] * norm, L, acc[g][j]);
       }
     }
     // Every thread is done with this tile's weights before the next tile's scores.
