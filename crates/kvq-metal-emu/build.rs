@@ -43,6 +43,54 @@ const MUTANTS: &[Mutant] = &[
             "simd_shuffle(bit, ushort((lane / 8) * 8 + b + 1))",
         )],
     ),
+    (
+        // The barrier between the token lanes' writes of their accumulators and the sums over
+        // them (the attention's final reduction), removed.
+        "attend_no_barrier",
+        "turboquant_mse/attend.metal",
+        &[(
+            "= acc[g][j];\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "= acc[g][j];\n",
+        )],
+    ),
+    (
+        // The barrier between a tile's score writes and the online softmax that reads them,
+        // removed: the running max then comes from scores not yet written (harmless while the
+        // logits are small, an overflow when they are not).
+        "attend_no_score_barrier",
+        "turboquant_mse/attend.metal",
+        &[(
+            "= s[g] * norm;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "= s[g] * norm;\n    }\n",
+        )],
+    ),
+    (
+        // A split that ends one row late: the first row of the next split counted twice.
+        "attend_split_overlap",
+        "turboquant_mse/attend.metal",
+        &[(
+            "min(r1, s0 + p.split_rows)",
+            "min(r1, s0 + p.split_rows + 1)",
+        )],
+    ),
+    (
+        // QJL: the barrier between the projection S q and the scores that read it, removed.
+        "qjl_no_barrier",
+        "qjl/attend.metal",
+        &[(
+            "a[g] * cq;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "a[g] * cq;\n  }\n",
+        )],
+    ),
+    (
+        // The barrier between the split weights' writes and their reads, removed.
+        "combine_no_barrier",
+        "common/combine.metal",
+        &[(
+            "exp(ms - m);\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "exp(ms - m);\n  }\n",
+        )],
+    ),
 ];
 
 fn main() {

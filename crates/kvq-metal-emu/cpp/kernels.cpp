@@ -17,6 +17,9 @@ namespace kvq_real {
 #include "turboquant_mse/encode.metal"
 #include "qjl/encode.metal"
 #include "vecinfer/encode.metal"
+#include "turboquant_mse/attend.metal"
+#include "common/combine.metal"
+#include "qjl/attend.metal"
 }  // namespace kvq_real
 
 namespace kvq_xor_butterfly {
@@ -30,6 +33,26 @@ namespace kvq_no_barrier {
 namespace kvq_wrong_shuffle_lane {
 #include KVQ_MUTANT_WRONG_SHUFFLE_LANE
 }  // namespace kvq_wrong_shuffle_lane
+
+namespace kvq_attend_no_barrier {
+#include KVQ_MUTANT_ATTEND_NO_BARRIER
+}  // namespace kvq_attend_no_barrier
+
+namespace kvq_attend_no_score_barrier {
+#include KVQ_MUTANT_ATTEND_NO_SCORE_BARRIER
+}  // namespace kvq_attend_no_score_barrier
+
+namespace kvq_attend_split_overlap {
+#include KVQ_MUTANT_ATTEND_SPLIT_OVERLAP
+}  // namespace kvq_attend_split_overlap
+
+namespace kvq_qjl_no_barrier {
+#include KVQ_MUTANT_QJL_NO_BARRIER
+}  // namespace kvq_qjl_no_barrier
+
+namespace kvq_combine_no_barrier {
+#include KVQ_MUTANT_COMBINE_NO_BARRIER
+}  // namespace kvq_combine_no_barrier
 
 namespace {
 
@@ -80,6 +103,40 @@ Entry nearest(F fn) {
           }};
 }
 
+template <class Params, class F>
+Entry attend_scalar(F fn) {
+  return {9, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
+               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
+               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
+               static_cast<const float*>(b[6]), static_cast<float*>(b[7]),
+               *static_cast<const Params*>(b[8]), bi().thread_position_in_threadgroup.x,
+               bi().threadgroup_position_in_grid.x, bi().thread_index_in_simdgroup,
+               bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+template <class Params, class F>
+Entry attend_qjl(F fn) {
+  return {6, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
+               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
+               static_cast<float*>(b[4]), *static_cast<const Params*>(b[5]),
+               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+template <class Params, class F>
+Entry combine(F fn) {
+  return {3, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<float*>(b[1]),
+               *static_cast<const Params*>(b[2]), bi().thread_position_in_threadgroup.x,
+               bi().threadgroup_position_in_grid.x, bi().thread_index_in_simdgroup,
+               bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
 const std::map<std::string, Entry>& table() {
   static const std::map<std::string, Entry> t = {
       {"kvq_pack_bits", pack_like<kvq_real::PackParams>(kvq_real::kvq_pack_bits)},
@@ -97,6 +154,23 @@ const std::map<std::string, Entry>& table() {
       {"wrong_shuffle_lane/kvq_encode_qjl_keys",
        encode_qjl_keys<kvq_wrong_shuffle_lane::QjlKeyEncodeParams>(
            kvq_wrong_shuffle_lane::kvq_encode_qjl_keys)},
+      {"kvq_attend_scalar",
+       attend_scalar<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_scalar)},
+      {"attend_no_barrier/kvq_attend_scalar",
+       attend_scalar<kvq_attend_no_barrier::ScalarAttendParams>(
+           kvq_attend_no_barrier::kvq_attend_scalar)},
+      {"attend_no_score_barrier/kvq_attend_scalar",
+       attend_scalar<kvq_attend_no_score_barrier::ScalarAttendParams>(
+           kvq_attend_no_score_barrier::kvq_attend_scalar)},
+      {"attend_split_overlap/kvq_attend_scalar",
+       attend_scalar<kvq_attend_split_overlap::ScalarAttendParams>(
+           kvq_attend_split_overlap::kvq_attend_scalar)},
+      {"kvq_attend_qjl", attend_qjl<kvq_real::QjlAttendParams>(kvq_real::kvq_attend_qjl)},
+      {"qjl_no_barrier/kvq_attend_qjl",
+       attend_qjl<kvq_qjl_no_barrier::QjlAttendParams>(kvq_qjl_no_barrier::kvq_attend_qjl)},
+      {"kvq_combine", combine<kvq_real::CombineParams>(kvq_real::kvq_combine)},
+      {"combine_no_barrier/kvq_combine",
+       combine<kvq_combine_no_barrier::CombineParams>(kvq_combine_no_barrier::kvq_combine)},
   };
   return t;
 }

@@ -63,6 +63,129 @@ pub fn nearest(n: usize) -> Dispatch {
     Dispatch::linear(n.div_ceil(per).max(1), per)
 }
 
+/// Threads per threadgroup of the attention and combine kernels (`KVQ_ATTEND_THREADS`,
+/// `KVQ_COMBINE_THREADS`): 4 simdgroups. Also the rows of one attention tile.
+pub const ATTEND_THREADS: usize = 128;
+/// Most query heads one attention threadgroup serves (`KVQ_ATTEND_GB`): its threadgroup memory
+/// (query, token lanes' accumulators) stays under 32 KiB at head dim 256.
+pub const ATTEND_HEADS: usize = 4;
+/// Most splits the combine takes (`KVQ_COMBINE_MAX_SPLITS`).
+pub const MAX_SPLITS: usize = 1024;
+/// Fewest code rows per split: below it a split's fixed cost (rotating the query, rotating the
+/// output back) outweighs its rows.
+pub const MIN_SPLIT_ROWS: usize = 256;
+/// Threadgroups a decode attention dispatch aims for before it stops splitting: a few per GPU
+/// core on the largest Apple GPUs (76 to 80 cores).
+pub const TARGET_THREADGROUPS: usize = 256;
+
+/// The geometry of one fused decode attention over all heads and query rows of a layer: which
+/// query heads share a threadgroup, how the code rows are split, and the two dispatches
+/// (attention, then the split merge).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttendPlan {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// Query rows.
+    pub t: usize,
+    /// Query heads per kv head.
+    pub group: usize,
+    /// Query heads per threadgroup (at most [`ATTEND_HEADS`]).
+    pub gb: usize,
+    /// Threadgroups per kv head and split: `ceil(group / gb)`.
+    pub hchunks: usize,
+    /// Code rows per split, a multiple of [`ATTEND_THREADS`].
+    pub split_rows: usize,
+    pub n_splits: usize,
+    /// `kvq_attend_scalar`: one threadgroup per (query row, kv head, head chunk, split), 1-D.
+    pub attend: Dispatch,
+    /// `kvq_combine`: one threadgroup per (query head, query row).
+    pub combine: Dispatch,
+}
+
+/// `kvq_attend_scalar` (kernels/metal/turboquant_mse/attend.metal) and `kvq_combine`
+/// (kernels/metal/common/combine.metal): both `Dispatch`es feed `dispatchThreadgroups`
+/// (candle's `dispatch_thread_groups`), the attention first, the combine on its partial rows
+/// `[n_heads][t][n_splits][d + 2]`. `max_rows`: the most code rows one query row reads. The
+/// rows are split only as far as needed to give the GPU about [`TARGET_THREADGROUPS`]
+/// threadgroups, never below [`MIN_SPLIT_ROWS`] rows a split nor past [`MAX_SPLITS`] splits.
+pub fn attend_scalar(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    max_rows: usize,
+) -> Result<AttendPlan, String> {
+    attend_plan(n_heads, n_kv_heads, t, d, max_rows)
+}
+
+/// Most sketch dimensions `kvq_attend_qjl` takes (`KVQ_QJL_MAX_M`).
+pub const QJL_MAX_M: usize = 1088;
+
+/// `kvq_attend_qjl` (kernels/metal/qjl/attend.metal) and `kvq_combine`: both `Dispatch`es feed
+/// `dispatchThreadgroups` (candle's `dispatch_thread_groups`), the attention first; the same
+/// geometry as [`attend_scalar`], for sketch dimension `m` (a multiple of 8, at most
+/// [`QJL_MAX_M`]).
+pub fn attend_qjl(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    m: usize,
+    max_rows: usize,
+) -> Result<AttendPlan, String> {
+    if m == 0 || !m.is_multiple_of(8) || m > QJL_MAX_M {
+        return Err(format!(
+            "metal attend: sketch dimension {m} (a multiple of 8 up to {QJL_MAX_M})"
+        ));
+    }
+    attend_plan(n_heads, n_kv_heads, t, d, max_rows)
+}
+
+fn attend_plan(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    max_rows: usize,
+) -> Result<AttendPlan, String> {
+    if ![64, 128, 256].contains(&d) {
+        return Err(format!("metal attend: head dim {d} (64, 128 or 256)"));
+    }
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(format!(
+            "metal attend: {n_heads} query heads over {n_kv_heads} kv heads"
+        ));
+    }
+    if t == 0 {
+        return Err("metal attend: no query rows".into());
+    }
+    let group = n_heads / n_kv_heads;
+    let gb = group.min(ATTEND_HEADS);
+    let hchunks = group.div_ceil(gb);
+    let base = t * n_kv_heads * hchunks;
+    let want = TARGET_THREADGROUPS.div_ceil(base).max(1);
+    let split_rows = max_rows
+        .div_ceil(want)
+        .max(max_rows.div_ceil(MAX_SPLITS))
+        .div_ceil(ATTEND_THREADS)
+        .max(1)
+        .saturating_mul(ATTEND_THREADS)
+        .max(MIN_SPLIT_ROWS);
+    let n_splits = max_rows.div_ceil(split_rows).max(1);
+    Ok(AttendPlan {
+        n_heads,
+        n_kv_heads,
+        t,
+        group,
+        gb,
+        hchunks,
+        split_rows,
+        n_splits,
+        attend: Dispatch::linear(base * n_splits, ATTEND_THREADS),
+        combine: Dispatch::linear(n_heads * t, ATTEND_THREADS),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +199,26 @@ mod tests {
         }
         let e = encode_scalar(33, 128);
         assert_eq!((e.threadgroups, e.threads), ([33, 1, 1], [128, 1, 1]));
+    }
+
+    #[test]
+    fn attend_splits_cover_every_row() {
+        for (nh, kvh, t, n) in [
+            (8, 2, 1, 1),
+            (8, 8, 1, 300),
+            (32, 8, 1, 100_000),
+            (4, 1, 7, 5000),
+        ] {
+            let pl = attend_scalar(nh, kvh, t, 128, n).unwrap();
+            assert!(pl.split_rows * pl.n_splits >= n, "{nh} {kvh} {n}");
+            assert!(pl.split_rows * (pl.n_splits - 1) < n.max(1));
+            assert!(pl.n_splits <= MAX_SPLITS && pl.split_rows.is_multiple_of(ATTEND_THREADS));
+            assert!(pl.gb * pl.hchunks >= pl.group && pl.gb <= ATTEND_HEADS);
+            let groups = t * kvh * pl.hchunks * pl.n_splits;
+            assert_eq!(pl.attend.threadgroups, [groups as u32, 1, 1]);
+            assert_eq!(pl.combine.threadgroups, [(nh * t) as u32, 1, 1]);
+        }
+        assert!(attend_scalar(6, 4, 1, 128, 10).is_err());
+        assert!(attend_scalar(8, 2, 1, 96, 10).is_err());
     }
 }
