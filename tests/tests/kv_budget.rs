@@ -49,6 +49,16 @@ fn request(seed: u32, cache: ResolvedCache) -> GenerationRequest {
 /// finish; returns the most sequences seen running at once. Asserts the invariants on every
 /// sample: reserved <= budget, resident <= reserved (per method and in all).
 fn run_all(engine: &Engine, reg: &CacheRegistry, method: &str, n: u32, budget: usize) -> usize {
+    // The stats are a snapshot published after each step: wait for the one after the last
+    // run's final step, so a stale count of its sequences is not read as this run's.
+    let idle = Instant::now();
+    while (engine.stats().running, engine.stats().waiting) != (0, 0) {
+        assert!(
+            idle.elapsed() < Duration::from_secs(30),
+            "the engine never went idle"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
