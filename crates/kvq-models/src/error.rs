@@ -10,6 +10,13 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
+    /// Loading the model at `path` failed: says which file or directory the user gave.
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        #[source]
+        source: Box<ModelError>,
+    },
     /// The model files are there but not usable (missing tensor or metadata, bad config).
     #[error("invalid model: {0}")]
     Invalid(String),

@@ -1,6 +1,7 @@
 //! kvq-models: model configs, weights (GGUF and safetensors), tokenizers, chat templates and the architectures, all running attention through `KvCache`.
 
 pub mod chat;
+pub mod contain;
 pub mod error;
 pub mod files;
 pub mod loader;

@@ -55,11 +55,20 @@ pub fn load_on(
 ) -> Result<LoadedModel> {
     let device = device.clone();
     let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
-    if meta.is_dir() {
+    let loaded = if meta.is_dir() {
         load_hf_dir(path, &device, progress)
     } else {
         load_gguf(path, &device, progress)
-    }
+    };
+    // Every error names what the user gave (an io error names its own file already).
+    loaded.map_err(|e| match e {
+        e @ (ModelError::Io { .. } | ModelError::InFile { .. }) => e,
+        e if e.to_string().contains(&path.display().to_string()) => e,
+        e => ModelError::InFile {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        },
+    })
 }
 
 /// The model id for a GGUF file stem: the stem without a trailing quantization tag

@@ -49,7 +49,7 @@ pub fn generation_request(
         max_tokens: params.max_tokens,
         sampling,
         stop: params.stop.clone(),
-        stop_on_eos: true,
+        stop_on_eos: !params.ignore_eos,
         logprobs: params.logprobs,
         cache,
     }

@@ -11,6 +11,19 @@ use crate::{ModelError, Result};
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Bounds on a render, since a template comes from a model file and may be hostile: at most
+/// this many bytes out (a prompt past any context window), ...
+pub const MAX_RENDER_BYTES: usize = 16 << 20;
+/// ... at most this many template instructions (minijinja's fuel; a 1,000-turn conversation
+/// through Qwen2.5's tool template takes about 0.2% of it) ...
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+/// ... macro and include nesting at most this deep (minijinja's own cap is 500 frames, more than
+/// a 2 MiB worker thread's stack holds) ...
+pub const TEMPLATE_RECURSION_LIMIT: usize = 64;
+/// ... and `tojson` at most this deep and indented at most this wide.
+const MAX_JSON_DEPTH: usize = 128;
+const MAX_JSON_INDENT: usize = 64;
+
 /// Gemma's turns (`<start_of_turn>user|model\n...<end_of_turn>\n`), for Gemma GGUFs that carry no
 /// template; a system message goes before the first user message, as Gemma's own template does.
 pub const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + message['content'] | trim + '<end_of_turn>\n' }}{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
@@ -117,11 +130,16 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_undefined_behavior(UndefinedBehavior::Chainable);
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.set_recursion_limit(TEMPLATE_RECURSION_LIMIT);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+        crate::contain::contained(|| env.add_template_owned(TEMPLATE_NAME, source.to_owned()))
+            .map_err(|panic| {
+                ModelError::Template(format!("compiling: the template engine failed: {panic}"))
+            })?
             .map_err(|e| ModelError::Template(format!("compiling: {e}")))?;
         Ok(ChatTemplate {
             env,
@@ -220,7 +238,45 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| template_error(&e))?;
-        template.render(ctx).map_err(|e| template_error(&e))
+        let mut out = BoundedWriter::default();
+        let rendered = crate::contain::contained(|| template.render_captured_to(ctx, &mut out))
+            .map_err(|panic| {
+                ModelError::Template(format!("the template engine failed: {panic}"))
+            })?;
+        match rendered {
+            Ok(_) => {}
+            Err(_) if out.overflowed => {
+                return Err(ModelError::Template(format!(
+                    "the rendered prompt exceeds {} MiB",
+                    MAX_RENDER_BYTES >> 20
+                )));
+            }
+            Err(e) => return Err(template_error(&e)),
+        }
+        String::from_utf8(out.buf)
+            .map_err(|e| ModelError::Template(format!("the output is not UTF-8: {e}")))
+    }
+}
+
+/// Collects a render, failing (and saying so) past [`MAX_RENDER_BYTES`].
+#[derive(Default)]
+struct BoundedWriter {
+    buf: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > MAX_RENDER_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("render output limit"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -245,6 +301,12 @@ fn tojson(
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => Some(usize::try_from(v)?),
     };
+    if indent.is_some_and(|n| n > MAX_JSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: indent is at most {MAX_JSON_INDENT}"),
+        ));
+    }
     let mut out = String::new();
     write_json(&mut out, value, indent, 0)?;
     Ok(Value::from_safe_string(out))
@@ -263,6 +325,15 @@ fn write_json(
     indent: Option<usize>,
     level: usize,
 ) -> std::result::Result<(), Error> {
+    if level > MAX_JSON_DEPTH || out.len() > MAX_RENDER_BYTES {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "tojson: the value is nested deeper than {MAX_JSON_DEPTH} or longer than {} MiB",
+                MAX_RENDER_BYTES >> 20
+            ),
+        ));
+    }
     let item_sep = if indent.is_some() { "," } else { ", " };
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),

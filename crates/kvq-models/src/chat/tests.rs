@@ -257,3 +257,66 @@ fn send_sync_clone() {
     assert_send_sync::<ChatTemplate>();
     assert!(format!("{:?}", ChatTemplate::chatml()).contains("im_start"));
 }
+
+/// A hostile template's render errors; the error names the bound it hit.
+fn render_error(source: &str) -> String {
+    let t = ChatTemplate::new(source, None, None).expect("compiles");
+    let start = std::time::Instant::now();
+    let err = t
+        .render(&[user("hi")], true)
+        .expect_err("must fail")
+        .to_string();
+    assert!(start.elapsed().as_secs() < 20, "took {:?}", start.elapsed());
+    err
+}
+
+#[test]
+fn endless_loops_run_out_of_fuel() {
+    let err = render_error(
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    );
+    assert!(err.contains("fuel"), "{err}");
+}
+
+#[test]
+fn output_is_bounded() {
+    // 100k x 1 KiB = 100 MiB of output, past the 16 MiB bound.
+    let err = render_error("{% for a in range(100000) %}{{ 'x' * 1024 }}{% endfor %}");
+    assert!(err.contains("exceeds 16 MiB"), "{err}");
+}
+
+#[test]
+fn recursion_is_bounded() {
+    let err = render_error("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
+    assert!(err.contains("recursion"), "{err}");
+}
+
+#[test]
+fn tojson_bounds_indent_and_depth() {
+    let err = render_error("{{ messages | tojson(indent=1000000000000) }}");
+    assert!(err.contains("indent is at most"), "{err}");
+    let err = render_error(
+        "{% set ns = namespace(v=[]) %}{% for i in range(300) %}{% set ns.v = [ns.v] %}{% endfor %}{{ ns.v | tojson }}",
+    );
+    assert!(err.contains("nested deeper"), "{err}");
+}
+
+#[test]
+fn real_conversations_fit_the_fuel() {
+    // 1,000 turns through SmolLM2's template use a small part of the fuel.
+    let t = ChatTemplate::new(SMOLLM2_TEMPLATE, None, None).expect("compiles");
+    let msgs: Vec<ChatMessage> = (0..1000)
+        .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello"))
+        .collect();
+    let out = t.render(&msgs, true).expect("renders");
+    assert!(out.len() > 1000 * 5);
+}
+
+#[test]
+fn template_engine_panics_are_template_errors() {
+    // minijinja 2.24 panics on a negative-step slice of an empty string; kvq contains it.
+    let t = ChatTemplate::new("{{ messages[0].content[::-1] }}", None, None).expect("compiles");
+    let err = t.render(&[user("")], false).expect_err("contained");
+    assert!(matches!(err, ModelError::Template(_)), "{err}");
+    assert_eq!(t.render(&[user("ab")], false).expect("renders"), "ba");
+}

@@ -61,7 +61,13 @@ pub(super) fn load(
     tokenizer_config_json: Option<&Path>,
 ) -> Result<(tokenizers::Tokenizer, TokenizerSpec)> {
     let bytes = std::fs::read(tokenizer_json).map_err(|e| ModelError::io(tokenizer_json, e))?;
-    let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+    let inner = crate::contain::contained(|| tokenizers::Tokenizer::from_bytes(&bytes))
+        .map_err(|panic| {
+            ModelError::Tokenizer(format!(
+                "{}: the tokenizers library failed on this file: {panic}",
+                tokenizer_json.display()
+            ))
+        })?
         .map_err(|e| tok_err(&tokenizer_json.display().to_string(), e))?;
     let dir = tokenizer_json.parent().unwrap_or_else(|| Path::new("."));
 

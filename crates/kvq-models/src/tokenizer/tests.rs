@@ -411,3 +411,23 @@ fn gpt2_pre_variants_bos_and_send_sync() {
         assert_eq!(kept.encode("hi", true).unwrap(), [0, id("hi")]);
     }
 }
+
+#[test]
+fn smollm2_control_characters_round_trip_where_the_vocabulary_has_them() {
+    // SmolLM2's vocabulary has no byte tokens for 0x04, 0x06, 0x13, 0x14, 0x16 and 0x1d: the
+    // byte-level BPE drops those characters (as Hugging Face's tokenizer does without an unknown
+    // token); every other control character round-trips.
+    let Some(tok) = smollm2() else { return };
+    let missing = [0x04u8, 0x06, 0x13, 0x14, 0x16, 0x1d];
+    for b in 0u8..0x20 {
+        let text = format!("a{}b", b as char);
+        let ids = tok.encode(&text, false).unwrap();
+        let back = tok.decode(&ids, false).unwrap();
+        let expected = if missing.contains(&b) {
+            "ab".to_string()
+        } else {
+            text
+        };
+        assert_eq!(back, expected, "byte {b:#x}: ids {ids:?}");
+    }
+}

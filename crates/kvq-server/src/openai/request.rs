@@ -1,6 +1,9 @@
 //! Request bodies of `/v1/chat/completions` and `/v1/completions`, as loosely typed as OpenAI
 //! clients need: numbers are wide, polymorphic fields (`stop`, `content`, `prompt`, `kv_cache`)
-//! stay JSON values, and unknown fields are ignored. `crate::validate` turns them into checked values.
+//! stay JSON values. A field OpenAI's API does not define (nor kvq's `top_k`, `min_p`,
+//! `repetition_penalty`, `kv_cache`) is a 400 naming it, as OpenAI answers; fields OpenAI defines
+//! that kvq does not act on are accepted and ignored (`user`, `metadata`, `store`, ...).
+//! `crate::validate` turns them into checked values.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -14,16 +17,31 @@ pub struct StreamOptions {
 
 /// One entry of `messages`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct InputMessage {
     /// `system`, `developer` (same as system), `user` or `assistant`.
     pub role: String,
     /// A string, or an array of `{"type": "text", "text": ...}` parts; `null` is empty.
     #[serde(default)]
     pub content: Option<Value>,
+    /// OpenAI's other message fields, accepted and not used.
+    #[serde(default)]
+    pub name: Option<Value>,
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    #[serde(default)]
+    pub tool_call_id: Option<Value>,
+    #[serde(default)]
+    pub function_call: Option<Value>,
+    #[serde(default)]
+    pub refusal: Option<Value>,
+    #[serde(default)]
+    pub audio: Option<Value>,
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatCompletionRequest {
     pub model: Option<String>,
     pub messages: Option<Vec<InputMessage>>,
@@ -46,10 +64,36 @@ pub struct ChatCompletionRequest {
     /// `{"method": str, "bits": int}` (or just the method name): the body form of the
     /// `x-kv-cache-method` / `x-kv-cache-bits` headers.
     pub kv_cache: Option<Value>,
+    /// Generate past the EOS token up to `max_tokens` (as vLLM and llama.cpp's server do).
+    pub ignore_eos: Option<bool>,
+    // OpenAI's fields that kvq accepts without acting on them (`deny_unknown_fields` does not
+    // combine with `flatten`, so they are listed here). Tools and structured outputs are not
+    // implemented yet: their fields are accepted as OpenAI clients send them and do not
+    // constrain the output.
+    pub user: Option<Value>,
+    pub metadata: Option<Value>,
+    pub store: Option<Value>,
+    pub service_tier: Option<Value>,
+    pub safety_identifier: Option<Value>,
+    pub prompt_cache_key: Option<Value>,
+    pub reasoning_effort: Option<Value>,
+    pub verbosity: Option<Value>,
+    pub logit_bias: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub response_format: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
+    pub prediction: Option<Value>,
+    pub web_search_options: Option<Value>,
 }
 
 /// `POST /v1/completions` (the legacy API).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     /// A string, an array of one string, an array of token ids, or an array of one such array.
@@ -73,4 +117,8 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub kv_cache: Option<Value>,
+    pub ignore_eos: Option<bool>,
+    // Accepted and not acted on, as in chat.
+    pub user: Option<Value>,
+    pub logit_bias: Option<Value>,
 }

@@ -17,23 +17,31 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use kvq_engine::Engine;
-use kvq_models::ChatMessage;
+use kvq_models::{ChatMessage, ChatTemplate, Tokenizer};
 
 const PROMPT_PARAM: &str = "messages";
 
 /// Renders `messages` with the model's chat template (generation prompt added) and tokenizes
 /// the result. Template errors (e.g. a template that rejects the role order) are 400s.
 pub fn render_and_encode(engine: &Engine, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+    render_and_encode_with(engine.chat_template(), engine.tokenizer(), messages)
+}
+
+/// [`render_and_encode`] with a given template and tokenizer (no engine needed: the fuzz
+/// targets drive it).
+pub fn render_and_encode_with(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    messages: &[Message],
+) -> Result<Vec<u32>, ApiError> {
     let msgs: Vec<ChatMessage> = messages
         .iter()
         .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone()))
         .collect();
-    let text = engine
-        .chat_template()
+    let text = template
         .render(&msgs, true)
         .map_err(|e| ApiError::from_model(e, PROMPT_PARAM))?;
     // A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-    let tokenizer = engine.tokenizer();
     let add_special = !tokenizer
         .bos_token()
         .is_some_and(|bos| !bos.is_empty() && text.starts_with(bos));

@@ -9,6 +9,8 @@ use serde_json::Value;
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
+/// The longest stop string accepted, in bytes (each generated token is matched against them).
+pub const MAX_STOP_BYTES: usize = 4096;
 /// Most `top_logprobs` in the chat API.
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// Most `logprobs` in the legacy completions API.
@@ -114,6 +116,10 @@ pub fn stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
         Some(Value::String(s)) if s.is_empty() => {
             Err(bad("'stop' must not be an empty string.".into()))
         }
+        Some(Value::String(s)) if s.len() > MAX_STOP_BYTES => Err(bad(format!(
+            "'stop' strings may be at most {MAX_STOP_BYTES} bytes long; got {}.",
+            s.len()
+        ))),
         Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(items)) => {
             if items.len() > MAX_STOP_STRINGS {
@@ -126,6 +132,10 @@ pub fn stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
                 .iter()
                 .enumerate()
                 .map(|(i, item)| match item {
+                    Value::String(s) if s.len() > MAX_STOP_BYTES => Err(bad(format!(
+                        "'stop[{i}]' may be at most {MAX_STOP_BYTES} bytes long; got {}.",
+                        s.len()
+                    ))),
                     Value::String(s) if !s.is_empty() => Ok(s.clone()),
                     Value::String(_) => Err(bad(format!("'stop[{i}]' must not be empty."))),
                     other => Err(bad(format!(

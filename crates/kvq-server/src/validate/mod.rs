@@ -69,6 +69,8 @@ pub struct ValidatedParams {
     pub include_usage: bool,
     /// The body's `kv_cache`, if given (headers win over it).
     pub kv_cache: Option<CacheSpec>,
+    /// Generate past the EOS token, up to `max_tokens` (vLLM's and llama.cpp's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// A checked `/v1/chat/completions` request.
@@ -205,6 +207,7 @@ pub fn validate_chat(
             stream,
             include_usage: include_usage(stream, req.stream_options.as_ref()),
             kv_cache: fields::kv_cache(req.kv_cache.as_ref())?,
+            ignore_eos: req.ignore_eos.unwrap_or(false),
         },
     })
 }
@@ -303,6 +306,7 @@ pub fn validate_completion(
             stream,
             include_usage: include_usage(stream, req.stream_options.as_ref()),
             kv_cache: fields::kv_cache(req.kv_cache.as_ref())?,
+            ignore_eos: req.ignore_eos.unwrap_or(false),
         },
     })
 }

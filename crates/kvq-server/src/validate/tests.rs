@@ -322,6 +322,8 @@ fn stop_parsing() {
         json!([1]),
         json!(5),
         json!({"a": 1}),
+        json!("x".repeat(4097)),
+        json!(["a", "x".repeat(4097)]),
     ] {
         assert_bad(
             chat(with(json!({"stop": bad}))),
@@ -431,4 +433,37 @@ fn completion_fields() {
             .unwrap()
             .echo
     );
+}
+
+#[test]
+fn unknown_fields_are_rejected_and_openai_fields_accepted() {
+    let err = parse_json::<ChatCompletionRequest>(br#"{"messages": [], "grammar": "x"}"#)
+        .expect_err("unknown field");
+    assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    assert!(err.to_string().contains("grammar"), "{err}");
+    let err = parse_json::<ChatCompletionRequest>(
+        br#"{"messages": [{"role": "user", "content": "hi", "foo": 1}]}"#,
+    )
+    .expect_err("unknown message field");
+    assert!(err.to_string().contains("foo"), "{err}");
+    assert!(
+        err.param().is_some_and(|p| p.starts_with("messages")),
+        "{err:?}"
+    );
+    let err = parse_json::<CompletionRequest>(br#"{"prompt": "a", "bar": 1}"#)
+        .expect_err("unknown completion field");
+    assert!(err.to_string().contains("bar"), "{err}");
+    // What OpenAI's clients send is accepted (and not acted on where kvq has no such feature).
+    parse_json::<ChatCompletionRequest>(
+        br#"{"messages": [{"role": "user", "content": "hi", "name": "a"}], "user": "u",
+             "metadata": {}, "store": false, "logit_bias": {}, "ignore_eos": true}"#,
+    )
+    .expect("OpenAI's fields");
+    assert!(
+        chat(with(json!({"ignore_eos": true})))
+            .expect("valid")
+            .params
+            .ignore_eos
+    );
+    assert!(!chat(with(json!({}))).expect("valid").params.ignore_eos);
 }
