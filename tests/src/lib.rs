@@ -1,10 +1,11 @@
 //! Shared fixtures for the end-to-end tests: where the real models are, a loaded default model,
 //! the GGUF to Hugging Face directory conversion, a spawned `kvq serve`, keys captured from the
 //! model, random checkpoints of the architectures without reachable weights, and a fake Hugging
-//! Face Hub on loopback with its fixture repositories.
+//! Face Hub on loopback with its fixture repositories, and the fuzz targets' model-file seeds.
 
 pub mod checkpoints;
 pub mod fake_hub;
+pub mod fuzz_seeds;
 pub mod hf_export;
 pub mod hub_fixtures;
 pub mod real_keys;

@@ -1,0 +1,66 @@
+//! Fuzz target: a request body (optionally after a `\x01<x-kv-cache-method value>\n` prefix)
+//! through everything the chat and completions handlers do before the engine: JSON parsing,
+//! validation, cache selection, template rendering and tokenization. Every rejection must be a
+//! 4xx with OpenAI's error shape; nothing may panic.
+#![no_main]
+
+use axum::http::{HeaderMap, HeaderValue};
+use kvq_fuzz::{check_error, registry, template, tokenizer};
+use kvq_server::ServerLimits;
+use kvq_server::cache_select::resolve_cache;
+use kvq_server::extract::parse_json;
+use kvq_server::openai::{ChatCompletionRequest, CompletionRequest};
+use kvq_server::routes::chat::render_and_encode_with;
+use kvq_server::validate::{check_token_ids, prompt, validate_chat, validate_completion};
+use libfuzzer_sys::fuzz_target;
+
+const SERVED: &str = "SmolLM2-135M-Instruct";
+
+fuzz_target!(|data: &[u8]| {
+    kvq_fuzz::contain_third_party_panics();
+    let mut headers = HeaderMap::new();
+    let mut body = data;
+    if let Some(rest) = data.strip_prefix(b"\x01") {
+        let end = rest.iter().position(|&b| b == b'\n').unwrap_or(rest.len());
+        if let Ok(v) = HeaderValue::from_bytes(&rest[..end]) {
+            headers.insert(kvq_server::cache_select::HEADER_METHOD, v);
+        }
+        body = rest.get(end + 1..).unwrap_or_default();
+    }
+    let limits = ServerLimits::default();
+
+    match parse_json::<ChatCompletionRequest>(body) {
+        Err(e) => check_error(&e),
+        Ok(req) => match validate_chat(&req, SERVED, &limits) {
+            Err(e) => check_error(&e),
+            Ok(v) => {
+                if let Err(e) = resolve_cache(registry(), &headers, v.params.kv_cache.as_ref()) {
+                    check_error(&e);
+                }
+                match render_and_encode_with(template(), tokenizer(), &v.messages) {
+                    Err(e) => check_error(&e),
+                    Ok(ids) => assert!(!ids.is_empty(), "a rendered chat has tokens"),
+                }
+            }
+        },
+    }
+
+    match parse_json::<CompletionRequest>(body) {
+        Err(e) => check_error(&e),
+        Ok(req) => match validate_completion(&req, SERVED, &limits) {
+            Err(e) => check_error(&e),
+            Ok(_) => {
+                // The prompt forms (text, token ids, batches) and the id range check.
+                match prompt(req.prompt.as_ref()) {
+                    Err(e) => check_error(&e),
+                    Ok(kvq_server::validate::Prompt::Tokens(ids)) => {
+                        if let Err(e) = check_token_ids(&ids, tokenizer().vocab_size()) {
+                            check_error(&e);
+                        }
+                    }
+                    Ok(_) => {}
+                }
+            }
+        },
+    }
+});
