@@ -148,6 +148,10 @@ pub(crate) fn check_attend(
     Ok(nh / k.0)
 }
 
+/// Rows times code rows from which the op spreads its rows over candle's pool (below, the
+/// calling thread does them all: the hand-off would cost more than the second core saves).
+const PARALLEL_WORK: usize = 2048;
+
 struct AttendOp {
     keys: Arc<dyn KeyCodec>,
     values: Arc<dyn ValueCodec>,
@@ -214,7 +218,7 @@ impl CustomOp3 for AttendOp {
         // Parallel when there is real work (long ranges or many rows); decode of a short context
         // stays on the calling thread.
         let rows = nh * t;
-        let min_parallel = if rows * r1_last.max(1) >= 8192 {
+        let min_parallel = if rows * r1_last.max(1) >= PARALLEL_WORK {
             2
         } else {
             usize::MAX

@@ -35,3 +35,4 @@ pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, mer
 pub use codec::{KernelData, KernelKind, KeyCodec, ValueCodec};
 pub use encode::{encode_keys, encode_reference, encode_values};
 pub use nearest::{NearestCodebook, nearest_centroid, nearest_centroid_reference};
+pub use pool::for_each_row;

@@ -39,7 +39,7 @@ impl<T> RowsPtr<T> {
 /// should never panic; if it does anyway, the panic is caught on the thread it happened on
 /// (an unwinding pool thread would poison the lock for every later candle matmul) and returned
 /// as this op's error, so only the request that ran the op fails.
-pub(crate) fn for_each_row<T: Send>(
+pub fn for_each_row<T: Send>(
     out: &mut [T],
     width: usize,
     min_parallel: usize,

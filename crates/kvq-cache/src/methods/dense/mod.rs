@@ -4,10 +4,11 @@
 //! released and recycled, so memory stops growing at the window. Attention is exact up to the
 //! storage type's rounding. On a GPU the rows live in device buffers instead (`device.rs`).
 
+mod decode;
 mod device;
 
 use crate::Result;
-use crate::attention::{axpy, dot, softmax_in_place, window_start};
+use crate::attention::window_start;
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
@@ -192,56 +193,6 @@ impl<E: Element> DenseCache<E> {
         }
     }
 
-    /// Direct attention for a few query rows. Each kv head's blocks are converted to f32 once
-    /// and scored against all the query rows of its group (GQA), then the values likewise.
-    fn attend_rows(&self, q: &[f32], t: usize, scale: f32) -> Vec<f32> {
-        let CacheGeometry {
-            n_heads,
-            n_kv_heads,
-            head_dim: d,
-            sliding_window,
-            ..
-        } = self.geom;
-        let group = n_heads / n_kv_heads;
-        let rows = group * t;
-        let len = self.len;
-        let mut out = vec![0f32; n_heads * t * d];
-        let mut scores = vec![0f32; rows * len];
-        let mut scratch = vec![0f32; BLOCK_TOKENS * d];
-        // Row `i` of a group is query head `kh * group + i / t`, position `len - t + i % t`.
-        let range = |i: usize| {
-            let pos = len - t + i % t;
-            (window_start(pos, sliding_window), pos)
-        };
-        let first = (0..rows).map(|i| range(i).0).min().unwrap_or(0);
-        for kh in 0..n_kv_heads {
-            let qbase = kh * group * t * d;
-            self.for_each_block(kh, true, first, len - 1, &mut scratch, |j, x| {
-                for i in 0..rows {
-                    let (start, pos) = range(i);
-                    if j >= start && j <= pos {
-                        let qrow = &q[qbase + i * d..qbase + (i + 1) * d];
-                        scores[i * len + j] = dot(qrow, x) * scale;
-                    }
-                }
-            });
-            for i in 0..rows {
-                let (start, pos) = range(i);
-                softmax_in_place(&mut scores[i * len + start..=i * len + pos]);
-            }
-            let o = &mut out[qbase..qbase + rows * d];
-            self.for_each_block(kh, false, first, len - 1, &mut scratch, |j, x| {
-                for i in 0..rows {
-                    let (start, pos) = range(i);
-                    if j >= start && j <= pos {
-                        axpy(&mut o[i * d..(i + 1) * d], scores[i * len + j], x);
-                    }
-                }
-            });
-        }
-        out
-    }
-
     /// Calls `f(position, row)` for positions `start..=end` of kv head `kh`, converting a block at a time.
     fn for_each_block(
         &self,
@@ -385,7 +336,7 @@ impl<E: Element> KvCache for DenseCache<E> {
             return self.attend_matmul(&q.contiguous()?, t, scale);
         }
         let qv = q.flatten_all()?.to_vec1::<f32>()?;
-        let out = self.attend_rows(&qv, t, scale);
+        let out = self.attend_rows(&qv, t, scale)?;
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
     }
 

@@ -88,6 +88,15 @@ fn prefill_then_decode_across_blocks() {
 }
 
 #[test]
+fn long_decode_in_parallel_spans_matches_reference() {
+    // 700 positions: six spans per kv head, enough work for the pool; a few rows at once
+    // (speculative-sized chunks) take the same path with per-row causal ranges.
+    check(&[700, 1, 5, 1, 8], None);
+    // The window starts mid-span and the rows' windows differ.
+    check(&[700, 1, 6, 1], Some(200));
+}
+
+#[test]
 fn sliding_window_matches_reference() {
     check(&[100, 1, 1, 30, 1], Some(32));
 }
