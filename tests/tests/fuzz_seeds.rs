@@ -33,3 +33,21 @@ fn committed_seeds_load_and_are_reproducible() {
     }
     std::fs::remove_dir_all(&tmp).expect("clean up");
 }
+
+#[test]
+fn fuzz_findings_stay_fixed() {
+    // model_file: a GGUF whose tensor has a zero dimension; candle read it through a dangling,
+    // misaligned pointer (a debug-assertion abort, undefined behaviour without them).
+    let seed = workspace_root().join("fuzz/seeds/model_file/regress-empty-tensor");
+    let bytes = std::fs::read(&seed).expect("seed");
+    assert_eq!(bytes[0] % 2, 0, "selector 0: a GGUF file");
+    let path = std::env::temp_dir().join(format!("kvq-regress-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes[1..]).expect("write");
+    let err = kvq_models::load(&path, &mut |_, _| {})
+        .err()
+        .expect("an empty tensor is refused")
+        .to_string();
+    std::fs::remove_file(&path).expect("clean up");
+    assert!(err.contains("has no elements"), "{err}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+}

@@ -14,9 +14,13 @@ const TEMPLATE_NAME: &str = "chat";
 /// Bounds on a render, since a template comes from a model file and may be hostile: at most
 /// this many bytes out (a prompt past any context window), ...
 pub const MAX_RENDER_BYTES: usize = 16 << 20;
-/// ... at most this many template instructions (minijinja's fuel; chat/tests.rs renders a
-/// 1,000-turn conversation through SmolLM2's template within it) ...
-pub const TEMPLATE_FUEL: u64 = 50_000_000;
+/// ... at most this many template instructions (minijinja's fuel: a 1,000-turn conversation
+/// takes 23,000 through SmolLM2's template and 44,000 through Gemma's) ...
+pub const TEMPLATE_FUEL: u64 = 1_000_000;
+/// ... on a stack this large (virtual: pages are touched only by as deep a value as a template
+/// builds), which holds the deepest value the fuel can build (one level per instruction)
+/// while minijinja formats, hashes or drops it (chat/tests.rs builds and prints it) ...
+const RENDER_STACK_BYTES: usize = 1 << 30;
 /// ... macro and include nesting at most this deep (minijinja's own cap is 500 frames; real
 /// templates nest a few, and a render runs on a worker thread's small stack) ...
 pub const TEMPLATE_RECURSION_LIMIT: usize = 64;
@@ -136,6 +140,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        // Pretty-printing a nested value indents every level: quadratic in the depth, before
+        // the output bound sees a byte. Chat templates do not use it.
+        env.remove_filter("pprint");
         crate::contain::contained(|| env.add_template_owned(TEMPLATE_NAME, source.to_owned()))
             .map_err(|panic| {
                 ModelError::Template(format!("compiling: the template engine failed: {panic}"))
@@ -238,23 +245,41 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| template_error(&e))?;
-        let mut out = BoundedWriter::default();
-        let rendered = crate::contain::contained(|| template.render_captured_to(ctx, &mut out))
-            .map_err(|panic| {
-                ModelError::Template(format!("the template engine failed: {panic}"))
-            })?;
-        match rendered {
-            Ok(_) => {}
-            Err(_) if out.overflowed => {
-                return Err(ModelError::Template(format!(
-                    "the rendered prompt exceeds {} MiB",
-                    MAX_RENDER_BYTES >> 20
-                )));
+        // minijinja formats, hashes and drops nested values recursively, and a template can nest
+        // one level per instruction (`{% set ns.v = [[[ns.v]]] %}` in a loop): on a worker's
+        // stack that overflows and aborts the process. The render runs on a thread of its own
+        // whose stack holds the deepest value the fuel allows.
+        // Everything that may hold a template value (the error too) stays on that thread.
+        let render = move || -> Result<String> {
+            let mut out = BoundedWriter::default();
+            let rendered = crate::contain::contained(|| template.render_captured_to(ctx, &mut out))
+                .map_err(|panic| {
+                    ModelError::Template(format!("the template engine failed: {panic}"))
+                })?;
+            match rendered {
+                Ok(_) => {}
+                Err(_) if out.overflowed => {
+                    return Err(ModelError::Template(format!(
+                        "the rendered prompt exceeds {} MiB",
+                        MAX_RENDER_BYTES >> 20
+                    )));
+                }
+                Err(e) => return Err(template_error(&e)),
             }
-            Err(e) => return Err(template_error(&e)),
-        }
-        String::from_utf8(out.buf)
-            .map_err(|e| ModelError::Template(format!("the output is not UTF-8: {e}")))
+            String::from_utf8(out.buf)
+                .map_err(|e| ModelError::Template(format!("the output is not UTF-8: {e}")))
+        };
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("kvq-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, render)
+                .map_err(|e| {
+                    ModelError::Template(format!("could not start the template renderer: {e}"))
+                })?
+                .join()
+                .map_err(|_| ModelError::Template("the template renderer failed".into()))?
+        })
     }
 }
 

@@ -320,3 +320,70 @@ fn template_engine_panics_are_template_errors() {
     assert!(matches!(err, ModelError::Template(_)), "{err}");
     assert_eq!(t.render(&[user("ab")], false).expect("renders"), "ba");
 }
+
+#[test]
+fn the_deepest_value_the_fuel_builds_is_printed_hashed_and_dropped() {
+    // 40-deep list literals around the last value, 16,000 times: 640,000 levels within the
+    // fuel. minijinja prints, hashes and drops values recursively: on a worker thread's stack
+    // this aborted the process (found by the chat_template fuzz target).
+    let wrap = format!("{}ns.v{}", "[".repeat(40), "]".repeat(40));
+    let build = |n: usize| {
+        format!(
+            "{{% set ns = namespace(v=[]) %}}{{% for i in range({n}) %}}{{% set ns.v = {wrap} %}}{{% endfor %}}"
+        )
+    };
+    for (op, want) in [
+        ("{{ (ns.v ~ '')|length }}", "1280002"),
+        ("{{ {ns.v: 1}|length }}", "1"),
+        ("{{ ns.v|length }}", "1"),
+    ] {
+        let t = ChatTemplate::new(&(build(16_000) + op), None, None).expect("compiles");
+        assert_eq!(
+            t.render(&[user("hi")], true).expect("renders"),
+            want,
+            "{op}"
+        );
+    }
+    // Running out of fuel part-way drops the deepest value the fuel allows.
+    let err = render_error(&(build(100_000) + "{{ ns.v }}"));
+    assert!(err.contains("fuel"), "{err}");
+}
+
+#[test]
+fn pprint_is_not_offered() {
+    // Its indentation is quadratic in a value's depth, before the output bound sees a byte.
+    let err = render_error("{{ messages|pprint }}");
+    assert!(err.contains("pprint"), "{err}");
+}
+
+#[test]
+fn real_templates_use_a_small_part_of_the_fuel() {
+    for (name, src, most) in [
+        ("smollm2", SMOLLM2_TEMPLATE, 30_000),
+        ("gemma", super::GEMMA_TEMPLATE, 60_000),
+    ] {
+        let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(1 << 40));
+        env.add_function("fuel", |state: &minijinja::State| {
+            state.fuel_levels().map_or(0, |x| x.0)
+        });
+        env.add_template_owned("t", format!("{src}{{{{ '|' ~ fuel() }}}}"))
+            .expect("compiles");
+        let msgs: Vec<ChatMessage> = (0..1000)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello"))
+            .collect();
+        let out = env
+            .get_template("t")
+            .and_then(|t| {
+                t.render(minijinja::context! { messages => msgs, add_generation_prompt => true })
+            })
+            .expect("renders");
+        let used: u64 = out
+            .rsplit('|')
+            .next()
+            .and_then(|x| x.parse().ok())
+            .expect("fuel");
+        assert!(used <= most, "{name}: 1,000 turns took {used} instructions");
+        assert!(used * 10 <= super::TEMPLATE_FUEL, "{name}: {used}");
+    }
+}

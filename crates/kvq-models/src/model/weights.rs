@@ -222,6 +222,17 @@ impl GgufWeights {
             )));
         };
         let part = &mut self.parts[i];
+        // candle reads an empty tensor through a dangling, misaligned pointer (undefined
+        // behaviour; found by the model_file fuzz target): no weight is empty anyway.
+        if let Some(info) = part.content.tensor_infos.get(name)
+            && info.shape.elem_count() == 0
+        {
+            return Err(ModelError::Invalid(format!(
+                "{}: tensor '{name}' has no elements (shape {:?})",
+                part.path.display(),
+                info.shape.dims()
+            )));
+        }
         Ok(part.content.tensor(&mut part.file, name, &self.device)?)
     }
 }
