@@ -36,18 +36,24 @@ fn committed_seeds_load_and_are_reproducible() {
 
 #[test]
 fn fuzz_findings_stay_fixed() {
-    // model_file: a GGUF whose tensor has a zero dimension; candle read it through a dangling,
-    // misaligned pointer (a debug-assertion abort, undefined behaviour without them).
-    let seed = workspace_root().join("fuzz/seeds/model_file/regress-empty-tensor");
-    let bytes = std::fs::read(&seed).expect("seed");
-    assert_eq!(bytes[0] % 2, 0, "selector 0: a GGUF file");
-    let path = std::env::temp_dir().join(format!("kvq-regress-{}.gguf", std::process::id()));
-    std::fs::write(&path, &bytes[1..]).expect("write");
-    let err = kvq_models::load(&path, &mut |_, _| {})
-        .err()
-        .expect("an empty tensor is refused")
-        .to_string();
-    std::fs::remove_file(&path).expect("clean up");
-    assert!(err.contains("has no elements"), "{err}");
-    assert!(err.contains(&path.display().to_string()), "{err}");
+    // model_file findings: a GGUF tensor with a zero dimension (candle read it through a
+    // dangling, misaligned pointer: a debug-assertion abort, undefined behaviour without them)
+    // and one whose dimensions multiply past usize (candle multiplied unchecked).
+    for (seed, want) in [
+        ("regress-empty-tensor", "has no elements"),
+        ("regress-overflowing-shape", "than memory can address"),
+    ] {
+        let bytes =
+            std::fs::read(workspace_root().join("fuzz/seeds/model_file").join(seed)).expect("seed");
+        assert_eq!(bytes[0] % 2, 0, "{seed}: selector 0 is a GGUF file");
+        let path = std::env::temp_dir().join(format!("kvq-{seed}-{}.gguf", std::process::id()));
+        std::fs::write(&path, &bytes[1..]).expect("write");
+        let err = kvq_models::load(&path, &mut |_, _| {})
+            .err()
+            .unwrap_or_else(|| panic!("{seed}: refused"))
+            .to_string();
+        std::fs::remove_file(&path).expect("clean up");
+        assert!(err.contains(want), "{seed}: {err}");
+        assert!(err.contains(&path.display().to_string()), "{seed}: {err}");
+    }
 }

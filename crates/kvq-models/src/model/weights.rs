@@ -222,19 +222,38 @@ impl GgufWeights {
             )));
         };
         let part = &mut self.parts[i];
-        // candle reads an empty tensor through a dangling, misaligned pointer (undefined
-        // behaviour; found by the model_file fuzz target): no weight is empty anyway.
-        if let Some(info) = part.content.tensor_infos.get(name)
-            && info.shape.elem_count() == 0
-        {
-            return Err(ModelError::Invalid(format!(
-                "{}: tensor '{name}' has no elements (shape {:?})",
-                part.path.display(),
-                info.shape.dims()
-            )));
+        if let Some(info) = part.content.tensor_infos.get(name) {
+            check_tensor_size(info).map_err(|why| {
+                ModelError::Invalid(format!(
+                    "{}: tensor '{name}' (shape {:?}) {why}",
+                    part.path.display(),
+                    info.shape.dims()
+                ))
+            })?;
         }
         Ok(part.content.tensor(&mut part.file, name, &self.device)?)
     }
+}
+
+/// What candle's GGUF reader assumes of a tensor's shape before it reads it (both found by the
+/// model_file fuzz target): its element and byte counts do not overflow (candle multiplies
+/// unchecked), and it is not empty (candle reads an empty tensor through a dangling,
+/// misaligned pointer). No real weight is empty. candle itself checks the bytes fit the file.
+fn check_tensor_size(info: &gguf_file::TensorInfo) -> std::result::Result<(), &'static str> {
+    let elems = info
+        .shape
+        .dims()
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or("has more elements than memory can address")?;
+    if elems == 0 {
+        return Err("has no elements");
+    }
+    let block = info.ggml_dtype.block_size();
+    (elems / block)
+        .checked_mul(info.ggml_dtype.type_size())
+        .ok_or("has more bytes than memory can address")?;
+    Ok(())
 }
 
 impl WeightSource for GgufWeights {
