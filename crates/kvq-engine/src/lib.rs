@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod error;
+mod release;
 pub mod request;
 pub mod sampling;
 pub mod stop;

@@ -88,6 +88,7 @@ impl Worker {
     pub(crate) fn run(mut self) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
+                crate::release::free_heap_to_os();
                 match self.jobs.recv() {
                     Ok(job) => self.waiting.push_back(job),
                     Err(_) => return,
