@@ -22,6 +22,7 @@ pub mod bitpack;
 mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod dense_scores;
 mod encode;
 mod math;
 pub mod metal;
@@ -33,6 +34,8 @@ pub mod turboquant;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
 pub use codec::{KernelData, KernelKind, KeyCodec, ValueCodec};
+pub use dense_scores::add_scores_f16;
 pub use encode::{encode_keys, encode_reference, encode_values};
+pub use math::exp_sub_sum;
 pub use nearest::{NearestCodebook, nearest_centroid, nearest_centroid_reference};
 pub use pool::for_each_row;

@@ -4,7 +4,7 @@
 //! are merged per row. Keys and values are converted from the storage type once per span.
 
 use super::{DenseCache, Element};
-use crate::attention::{axpy, dot, window_start};
+use crate::attention::{axpy, window_start};
 use crate::traits::CacheGeometry;
 
 /// Positions per span: one span's keys and values (f32) stay in L1/L2 while its rows use them.
@@ -78,36 +78,38 @@ impl<E: Element> DenseCache<E> {
         let d = self.geom.head_dim;
         let n = hi - lo;
         let rows = qg.len() / d;
-        let mut scratch = vec![0f32; n.min(super::BLOCK_TOKENS) * d];
-        let mut scores = vec![f32::NEG_INFINITY; rows * n];
-        self.for_each_block(kh, true, lo, hi - 1, &mut scratch, |j, x| {
-            for i in 0..rows {
-                let (start, pos) = range(i);
-                if j >= start && j <= pos {
-                    scores[i * n + j - lo] = dot(&qg[i * d..(i + 1) * d], x) * scale;
-                }
-            }
-        });
+        // Every row's scores over the whole span (key columns read once for all rows), then
+        // each row keeps only the positions it sees: `[a, b)` of the span.
+        let mut scores = vec![0f32; rows * n];
+        self.add_scores(kh, qg, (lo, hi), scale, &mut scores);
+        let mut seen = Vec::with_capacity(rows);
         for i in 0..rows {
+            let (start, pos) = range(i);
+            let a = start.clamp(lo, hi) - lo;
+            let b = (pos + 1).clamp(lo, hi) - lo;
             let s = &mut scores[i * n..(i + 1) * n];
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            if max > f32::NEG_INFINITY {
-                for x in s.iter_mut() {
-                    // exp(-inf - max) is 0: positions the row cannot see add nothing.
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-            }
             let p = &mut part[i * (d + 2)..(i + 1) * (d + 2)];
+            p[..d].fill(0.0);
+            if a >= b {
+                (p[d], p[d + 1]) = (f32::NEG_INFINITY, 0.0);
+                seen.push((0, 0));
+                continue;
+            }
+            let max = s[a..b].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             p[d] = max;
-            p[d + 1] = sum;
+            p[d + 1] = kvq_kernels::exp_sub_sum(&mut s[a..b], max);
+            seen.push((a, b));
         }
-        self.for_each_block(kh, false, lo, hi - 1, &mut scratch, |j, x| {
-            for i in 0..rows {
-                let w = scores[i * n + j - lo];
-                if w > 0.0 {
-                    axpy(&mut part[i * (d + 2)..i * (d + 2) + d], w, x);
+        let mut scratch = vec![0f32; n.min(super::BLOCK_TOKENS) * d];
+        self.for_each_value_block(kh, lo, hi, &mut scratch, |j, x| {
+            let jj = j - lo;
+            for (i, &(a, b)) in seen.iter().enumerate() {
+                if jj >= a && jj < b {
+                    axpy(
+                        &mut part[i * (d + 2)..i * (d + 2) + d],
+                        scores[i * n + jj],
+                        x,
+                    );
                 }
             }
         });

@@ -2,13 +2,16 @@
 //! Keys and values are held in fixed-size blocks allocated as the sequence grows (never a
 //! concatenation per token); under a sliding window the blocks no query can reach again are
 //! released and recycled, so memory stops growing at the window. Attention is exact up to the
-//! storage type's rounding. On a GPU the rows live in device buffers instead (`device.rs`).
+//! storage type's rounding: a decode step's few rows in spans over both cores (`decode.rs`), a
+//! prompt chunk in tiles with an online softmax, never a score matrix (`prefill.rs`). On a GPU
+//! the rows live in device buffers instead (`device.rs`).
 
 mod decode;
 mod device;
+mod prefill;
 
 use crate::Result;
-use crate::attention::window_start;
+use crate::attention::{axpy, window_start};
 use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
@@ -17,7 +20,8 @@ use half::slice::HalfFloatSliceExt;
 /// Positions per allocated block.
 pub const BLOCK_TOKENS: usize = 256;
 
-/// Query rows at or below this count take the direct decode loop; more use batched matmuls.
+/// Query rows at or below this count take the decode loop (spans over all cores, merged);
+/// more take the prompt's tiles (`prefill.rs`).
 const DECODE_MAX_ROWS: usize = 8;
 
 /// A storage element of a dense cache.
@@ -32,6 +36,32 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// Reads a tensor of this dtype.
     fn read(t: &Tensor) -> Result<Vec<Self>>;
+    /// Adds `scale * q_i . k_j` to `out[i * n + o + j]` for the rows of `q` (`[rows, d]`) and
+    /// keys `j < m` held transposed (`k[dd * stride + j]`).
+    #[allow(clippy::too_many_arguments)]
+    fn add_scores(
+        k: &[Self],
+        stride: usize,
+        m: usize,
+        q: &[f32],
+        d: usize,
+        scale: f32,
+        out: &mut [f32],
+        (n, o): (usize, usize),
+    ) {
+        let rows = q.len() / d;
+        let mut col = vec![0f32; m];
+        for dd in 0..d {
+            Self::to_f32_slice(&k[dd * stride..dd * stride + m], &mut col);
+            for i in 0..rows {
+                axpy(
+                    &mut out[i * n + o..i * n + o + m],
+                    q[i * d + dd] * scale,
+                    &col,
+                );
+            }
+        }
+    }
 }
 
 impl Element for f16 {
@@ -43,6 +73,18 @@ impl Element for f16 {
     }
     fn read(t: &Tensor) -> Result<Vec<Self>> {
         Ok(t.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?)
+    }
+    fn add_scores(
+        k: &[Self],
+        stride: usize,
+        m: usize,
+        q: &[f32],
+        d: usize,
+        scale: f32,
+        out: &mut [f32],
+        at: (usize, usize),
+    ) {
+        kvq_kernels::add_scores_f16(k, stride, m, q, d, scale, out, at);
     }
 }
 
@@ -110,7 +152,10 @@ pub type Fp16Cache = DenseCache<f16>;
 /// The exact f32 cache.
 pub type F32Cache = DenseCache<f32>;
 
-/// One block: `[n_kv_heads, BLOCK_TOKENS, head_dim]` keys and values.
+/// One block of `BLOCK_TOKENS` positions. Keys are held transposed, `[n_kv_heads, head_dim,
+/// BLOCK_TOKENS]`, so a query's scores over a run of positions are `head_dim` contiguous
+/// multiply-adds (no per-key horizontal sum) and a prompt chunk's are a matmul with `K^T`
+/// as stored; values are `[n_kv_heads, BLOCK_TOKENS, head_dim]`, accumulated row by row.
 #[derive(Clone)]
 struct Block<E> {
     k: Vec<E>,
@@ -175,84 +220,78 @@ impl<E: Element> DenseCache<E> {
         self.geom.n_kv_heads * BLOCK_TOKENS * self.geom.head_dim
     }
 
-    /// Offset of (head, slot) inside a block.
+    /// Offset of value (head, slot) inside a block.
     #[inline]
     fn offset(&self, head: usize, slot: usize) -> usize {
         (head * BLOCK_TOKENS + slot) * self.geom.head_dim
     }
 
-    /// Copies head `h`'s keys or values of positions `from..len` into `out` as f32
-    /// `[len - from, d]`.
-    fn gather_head(&self, h: usize, keys: bool, from: usize, out: &mut [f32]) {
-        let d = self.geom.head_dim;
-        let mut scratch = vec![0f32; BLOCK_TOKENS * d];
-        if from < self.len {
-            self.for_each_block(h, keys, from, self.len - 1, &mut scratch, |j, x| {
-                out[(j - from) * d..(j - from + 1) * d].copy_from_slice(x);
-            });
+    /// Calls `f(offset, piece)` for the pieces of positions `start..end` that lie in one block
+    /// each (`offset` = first position - `start`), with that block if it is held.
+    fn for_each_piece(
+        &self,
+        start: usize,
+        end: usize,
+        mut f: impl FnMut(usize, usize, usize, &Block<E>),
+    ) {
+        let mut j = start;
+        while j < end {
+            let (b, slot) = (j / BLOCK_TOKENS, j % BLOCK_TOKENS);
+            let n = (BLOCK_TOKENS - slot).min(end - j);
+            // Positions from `start` on are live (only blocks before every query's window go).
+            if let Some(block) = self.blocks.get(b).and_then(Option::as_ref) {
+                f(j - start, slot, n, block);
+            }
+            j += n;
         }
     }
 
-    /// Calls `f(position, row)` for positions `start..=end` of kv head `kh`, converting a block at a time.
-    fn for_each_block(
+    /// Adds `scale * q_i . k_j` to `scores[i * n + j - start]` for every row `q_i` of `q`
+    /// (`[rows, d]`) and position `j` in `start..end` of kv head `kh` (`n = end - start`),
+    /// reading each key column once for all the rows.
+    pub(super) fn add_scores(
         &self,
         kh: usize,
-        keys: bool,
+        q: &[f32],
+        (start, end): (usize, usize),
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let d = self.geom.head_dim;
+        let n = end - start;
+        self.for_each_piece(start, end, |o, slot, m, block| {
+            let base = kh * d * BLOCK_TOKENS + slot;
+            E::add_scores(
+                &block.k[base..],
+                BLOCK_TOKENS,
+                m,
+                q,
+                d,
+                scale,
+                scores,
+                (n, o),
+            );
+        });
+    }
+
+    /// Calls `f(position, row)` for the values of positions `start..end` of kv head `kh`,
+    /// converting a block's piece at a time.
+    fn for_each_value_block(
+        &self,
+        kh: usize,
         start: usize,
         end: usize,
         scratch: &mut [f32],
         mut f: impl FnMut(usize, &[f32]),
     ) {
         let d = self.geom.head_dim;
-        let mut j = start;
-        while j <= end {
-            let b = j / BLOCK_TOKENS;
-            let first = j % BLOCK_TOKENS;
-            let n = (BLOCK_TOKENS - first).min(end + 1 - j);
-            // Positions from `start` on are live (only blocks before every query's window go).
-            if let Some(block) = self.blocks.get(b).and_then(Option::as_ref) {
-                let src = if keys { &block.k } else { &block.v };
-                let o = self.offset(kh, first);
-                E::to_f32_slice(&src[o..o + n * d], &mut scratch[..n * d]);
-                for i in 0..n {
-                    f(j + i, &scratch[i * d..(i + 1) * d]);
-                }
+        self.for_each_piece(start, end, |o, slot, n, block| {
+            let at = self.offset(kh, slot);
+            E::to_f32_slice(&block.v[at..at + n * d], &mut scratch[..n * d]);
+            for i in 0..n {
+                f(start + o + i, &scratch[i * d..(i + 1) * d]);
             }
-            j += n;
-        }
-    }
-
-    /// Batched attention for many query rows (prefill): f32 matmuls over the gathered cache.
-    fn attend_matmul(&self, q: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
-        let CacheGeometry {
-            n_heads,
-            n_kv_heads,
-            head_dim: d,
-            sliding_window,
-            ..
-        } = self.geom;
-        let group = n_heads / n_kv_heads;
-        // Keys from the first position any of the rows sees.
-        let from = window_start(self.len - t, sliding_window);
-        let len = self.len - from;
-        let mut kbuf = vec![0f32; n_kv_heads * len * d];
-        let mut vbuf = vec![0f32; n_kv_heads * len * d];
-        for h in 0..n_kv_heads {
-            self.gather_head(h, true, from, &mut kbuf[h * len * d..(h + 1) * len * d]);
-            self.gather_head(h, false, from, &mut vbuf[h * len * d..(h + 1) * len * d]);
-        }
-        let dev = q.device();
-        let k = Tensor::from_vec(kbuf, (n_kv_heads, len, d), dev)?;
-        let v = Tensor::from_vec(vbuf, (n_kv_heads, len, d), dev)?;
-        let q = q.reshape((n_kv_heads, group * t, d))?;
-        let scores = (q.matmul(&k.t()?)? * scale as f64)?;
-        let mask = causal_mask(t, self.len, from, sliding_window, dev)?;
-        let scores = scores
-            .reshape((n_kv_heads, group, t, len))?
-            .broadcast_add(&mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.reshape((n_kv_heads, group * t, len))?.matmul(&v)?;
-        Ok(out.reshape((n_heads, t, d))?)
+        });
     }
 }
 
@@ -319,8 +358,11 @@ impl<E: Element> KvCache for DenseCache<E> {
             for h in 0..kvh {
                 let src = (h * t + i) * d;
                 let dst = (h * BLOCK_TOKENS + slot) * d;
-                block.k[dst..dst + d].copy_from_slice(&kd[src..src + d]);
                 block.v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
+                let kcol = h * d * BLOCK_TOKENS + slot;
+                for (dd, &x) in kd[src..src + d].iter().enumerate() {
+                    block.k[kcol + dd * BLOCK_TOKENS] = x;
+                }
             }
         }
         self.len += t;
@@ -332,11 +374,11 @@ impl<E: Element> KvCache for DenseCache<E> {
         if let Some(dev) = &self.dev {
             return dev.attend(&self.geom, &q.contiguous()?, self.len, scale);
         }
-        if t > DECODE_MAX_ROWS {
-            return self.attend_matmul(&q.contiguous()?, t, scale);
-        }
         let qv = q.flatten_all()?.to_vec1::<f32>()?;
-        let out = self.attend_rows(&qv, t, scale)?;
+        let out = match t > DECODE_MAX_ROWS {
+            true => self.attend_tiled(&qv, t, scale)?,
+            false => self.attend_rows(&qv, t, scale)?,
+        };
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
     }
 

@@ -97,6 +97,15 @@ fn long_decode_in_parallel_spans_matches_reference() {
 }
 
 #[test]
+fn prompt_tiles_match_reference() {
+    // Chunks over the decode loop's 8 rows take the tiles: ragged last tiles, chunks that start
+    // mid-block and mid-span, a window shorter than a tile's positions and one longer.
+    check(&[37, 300, 19, 9, 1], None);
+    check(&[37, 300, 19, 9, 1], Some(11));
+    check(&[129, 257], Some(150));
+}
+
+#[test]
 fn sliding_window_matches_reference() {
     check(&[100, 1, 1, 30, 1], Some(32));
 }
