@@ -1,7 +1,8 @@
 //! The dense caches' decode attention on every core: each kv head's live positions are cut into
 //! spans, each span is scored against all the query rows of its GQA group and accumulated under
 //! its own softmax state (flash-decoding), the spans run on candle's CPU pool, and their states
-//! are merged per row. Keys and values are converted from the storage type once per span.
+//! are merged per row. Each key column and value row is read once per span for all the rows
+//! (`DenseCache::add_scores`, `for_each_value_block`).
 
 use super::{DenseCache, Element};
 use crate::attention::{axpy, window_start};

@@ -154,8 +154,8 @@ pub type F32Cache = DenseCache<f32>;
 
 /// One block of `BLOCK_TOKENS` positions. Keys are held transposed, `[n_kv_heads, head_dim,
 /// BLOCK_TOKENS]`, so a query's scores over a run of positions are `head_dim` contiguous
-/// multiply-adds (no per-key horizontal sum) and a prompt chunk's are a matmul with `K^T`
-/// as stored; values are `[n_kv_heads, BLOCK_TOKENS, head_dim]`, accumulated row by row.
+/// multiply-adds (no per-key horizontal sum), for a decode step's rows and a prompt tile's
+/// alike; values are `[n_kv_heads, BLOCK_TOKENS, head_dim]`, accumulated row by row.
 #[derive(Clone)]
 struct Block<E> {
     k: Vec<E>,
@@ -226,8 +226,9 @@ impl<E: Element> DenseCache<E> {
         (head * BLOCK_TOKENS + slot) * self.geom.head_dim
     }
 
-    /// Calls `f(offset, piece)` for the pieces of positions `start..end` that lie in one block
-    /// each (`offset` = first position - `start`), with that block if it is held.
+    /// Calls `f(offset, slot, n, block)` for each piece of positions `start..end` that lies in
+    /// one block: `n` positions from `slot` of `block`, the first at `start + offset`. Pieces of
+    /// released blocks are skipped.
     fn for_each_piece(
         &self,
         start: usize,
