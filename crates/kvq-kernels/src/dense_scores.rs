@@ -5,31 +5,38 @@
 
 use half::f16;
 
-/// Adds `scale * q_i . k_j` to `out[i * n + o + j]` for rows `i < rows` of `q` (`[rows, d]`)
-/// and keys `j < m`, key `j`'s element `dd` being `k[dd * stride + j]`.
+/// A run of `len` keys held transposed: key `j`'s element `dd` is `keys[dd * stride + j]`.
+#[derive(Clone, Copy)]
+pub struct KeyColumns<'a, T> {
+    pub keys: &'a [T],
+    pub stride: usize,
+    pub len: usize,
+}
+
+/// Where scores go: row `i`'s score of key `j` is added to `out[i * row_stride + offset + j]`.
+pub struct ScoreRows<'a> {
+    pub out: &'a mut [f32],
+    pub row_stride: usize,
+    pub offset: usize,
+}
+
+/// Adds `scale * q_i . k_j` to the scores of rows `q_i` of `q` (`[rows, d]`) and keys `k_j`.
 ///
 /// Out-of-range arguments (a slice shorter than the shapes say) are a caller's bug: checked
 /// once here, they panic before any work.
-#[allow(clippy::too_many_arguments)]
-pub fn add_scores_f16(
-    k: &[f16],
-    stride: usize,
-    m: usize,
-    q: &[f32],
-    d: usize,
-    scale: f32,
-    out: &mut [f32],
-    (n, o): (usize, usize),
-) {
+pub fn add_scores_f16(k: KeyColumns<'_, f16>, q: &[f32], d: usize, scale: f32, s: ScoreRows<'_>) {
     let rows = q.len() / d.max(1);
+    let (m, stride) = (k.len, k.stride);
     if rows == 0 || m == 0 || d == 0 {
         return;
     }
     assert!(
-        (d - 1) * stride + m <= k.len() && m <= stride && (rows - 1) * n + o + m <= out.len(),
+        (d - 1) * stride + m <= k.keys.len()
+            && m <= stride
+            && (rows - 1) * s.row_stride + s.offset + m <= s.out.len(),
         "add_scores_f16: keys {} / out {} too short for d {d}, stride {stride}, m {m}, rows {rows}",
-        k.len(),
-        out.len()
+        k.keys.len(),
+        s.out.len()
     );
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2")
@@ -37,84 +44,77 @@ pub fn add_scores_f16(
         && std::arch::is_x86_feature_detected!("f16c")
     {
         // SAFETY: the features are present; the bounds were checked above.
-        unsafe { x86::add_scores(k, stride, m, q, d, rows, scale, out, (n, o)) };
+        unsafe { x86::add_scores(k, q, d, scale, s) };
         return;
     }
-    add_scores_portable(k, stride, (0, m), q, d, rows, scale, out, (n, o));
+    add_scores_portable(k, 0, q, d, scale, s);
 }
 
-/// The portable loop over keys `j0..j1` (also the x86 kernel's tail).
-#[allow(clippy::too_many_arguments)]
+/// The portable loop over keys `from..k.len` (also the x86 kernel's tail).
 fn add_scores_portable(
-    k: &[f16],
-    stride: usize,
-    (j0, j1): (usize, usize),
+    k: KeyColumns<'_, f16>,
+    from: usize,
     q: &[f32],
     d: usize,
-    rows: usize,
     scale: f32,
-    out: &mut [f32],
-    (n, o): (usize, usize),
+    s: ScoreRows<'_>,
 ) {
+    let rows = q.len() / d;
     for i in 0..rows {
         let qi = &q[i * d..(i + 1) * d];
-        for j in j0..j1 {
-            let mut s = 0f32;
+        for j in from..k.len {
+            let mut acc = 0f32;
             for (dd, &x) in qi.iter().enumerate() {
-                s += x * k[dd * stride + j].to_f32();
+                acc += x * k.keys[dd * k.stride + j].to_f32();
             }
-            out[i * n + o + j] += scale * s;
+            s.out[i * s.row_stride + s.offset + j] += scale * acc;
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::f16;
+    use super::{KeyColumns, ScoreRows, f16};
     use std::arch::x86_64::*;
 
     /// Keys per tile: two 8-lane vectors.
     const KEYS: usize = 16;
 
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn add_scores(
-        k: &[f16],
-        stride: usize,
-        m: usize,
+        k: KeyColumns<'_, f16>,
         q: &[f32],
         d: usize,
-        rows: usize,
         scale: f32,
-        out: &mut [f32],
-        (n, o): (usize, usize),
+        s: ScoreRows<'_>,
     ) {
-        let full = m / KEYS * KEYS;
+        let rows = q.len() / d;
+        let full = k.len / KEYS * KEYS;
         let mut r0 = 0;
         while r0 < rows {
             let rr = (rows - r0).min(4);
             let qr = &q[r0 * d..(r0 + rr) * d];
-            let or = &mut out[r0 * n..];
+            let or = &mut s.out[r0 * s.row_stride..];
+            let at = (s.row_stride, s.offset);
             // SAFETY (all arms): the caller checked every key column and output row in range.
             unsafe {
                 match rr {
-                    4 => tile::<4>(k, stride, full, qr, d, scale, or, (n, o)),
-                    3 => tile::<3>(k, stride, full, qr, d, scale, or, (n, o)),
-                    2 => tile::<2>(k, stride, full, qr, d, scale, or, (n, o)),
-                    _ => tile::<1>(k, stride, full, qr, d, scale, or, (n, o)),
+                    4 => tile::<4>(k, full, qr, d, scale, or, at),
+                    3 => tile::<3>(k, full, qr, d, scale, or, at),
+                    2 => tile::<2>(k, full, qr, d, scale, or, at),
+                    _ => tile::<1>(k, full, qr, d, scale, or, at),
                 }
             }
             r0 += rr;
         }
-        super::add_scores_portable(k, stride, (full, m), q, d, rows, scale, out, (n, o));
+        super::add_scores_portable(k, full, q, d, scale, s);
     }
 
-    /// `R` rows against keys `0..full` (a multiple of 16), accumulators in registers.
-    #[allow(clippy::too_many_arguments)]
+    /// `R` rows against keys `0..full` (a multiple of 16), accumulators in registers; row `r`'s
+    /// scores start at `out[r * n + o]`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const R: usize>(
-        k: &[f16],
-        stride: usize,
+        k: KeyColumns<'_, f16>,
         full: usize,
         q: &[f32],
         d: usize,
@@ -122,14 +122,14 @@ mod x86 {
         out: &mut [f32],
         (n, o): (usize, usize),
     ) {
-        let kp = k.as_ptr() as *const u16;
+        let kp = k.keys.as_ptr() as *const u16;
         let s = _mm256_set1_ps(scale);
         let mut j = 0;
         while j < full {
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             for dd in 0..d {
-                // SAFETY: (d - 1) * stride + full <= k.len(), checked by the caller.
-                let col = unsafe { kp.add(dd * stride + j) } as *const __m128i;
+                // SAFETY: (d - 1) * stride + full <= keys.len(), checked by the caller.
+                let col = unsafe { kp.add(dd * k.stride + j) } as *const __m128i;
                 let (k0, k1) = unsafe {
                     (
                         _mm256_cvtph_ps(_mm_loadu_si128(col)),
@@ -180,10 +180,20 @@ mod tests {
             let q: Vec<f32> = (0..rows * d).map(|_| next()).collect();
             let (n, o) = (m + 3, 2);
             let base: Vec<f32> = (0..rows * n).map(|_| next()).collect();
+            let cols = KeyColumns {
+                keys: &k,
+                stride,
+                len: m,
+            };
+            let rows_of = |out| ScoreRows {
+                out,
+                row_stride: n,
+                offset: o,
+            };
             let mut got = base.clone();
-            add_scores_f16(&k, stride, m, &q, d, 0.3, &mut got, (n, o));
+            add_scores_f16(cols, &q, d, 0.3, rows_of(&mut got));
             let mut want = base.clone();
-            add_scores_portable(&k, stride, (0, m), &q, d, rows, 0.3, &mut want, (n, o));
+            add_scores_portable(cols, 0, &q, d, 0.3, rows_of(&mut want));
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-5 * (1.0 + b.abs()),

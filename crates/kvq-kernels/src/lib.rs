@@ -34,7 +34,7 @@ pub mod turboquant;
 
 pub use attend::{AttendParams, Partial, attend_reference, compressed_attend, merge_partial};
 pub use codec::{KernelData, KernelKind, KeyCodec, ValueCodec};
-pub use dense_scores::add_scores_f16;
+pub use dense_scores::{KeyColumns, ScoreRows, add_scores_f16};
 pub use encode::{encode_keys, encode_reference, encode_values};
 pub use math::exp_sub_sum;
 pub use nearest::{NearestCodebook, nearest_centroid, nearest_centroid_reference};

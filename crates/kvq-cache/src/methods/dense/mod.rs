@@ -16,6 +16,7 @@ use crate::traits::{CacheFactory, CacheGeometry, KvCache};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kvq_kernels::{KeyColumns, ScoreRows};
 
 /// Positions per allocated block.
 pub const BLOCK_TOKENS: usize = 256;
@@ -36,29 +37,14 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// Reads a tensor of this dtype.
     fn read(t: &Tensor) -> Result<Vec<Self>>;
-    /// Adds `scale * q_i . k_j` to `out[i * n + o + j]` for the rows of `q` (`[rows, d]`) and
-    /// keys `j < m` held transposed (`k[dd * stride + j]`).
-    #[allow(clippy::too_many_arguments)]
-    fn add_scores(
-        k: &[Self],
-        stride: usize,
-        m: usize,
-        q: &[f32],
-        d: usize,
-        scale: f32,
-        out: &mut [f32],
-        (n, o): (usize, usize),
-    ) {
-        let rows = q.len() / d;
-        let mut col = vec![0f32; m];
+    /// Adds `scale * q_i . k_j` to the scores of the rows of `q` (`[rows, d]`) and keys `k_j`.
+    fn add_scores(k: KeyColumns<'_, Self>, q: &[f32], d: usize, scale: f32, s: ScoreRows<'_>) {
+        let mut col = vec![0f32; k.len];
         for dd in 0..d {
-            Self::to_f32_slice(&k[dd * stride..dd * stride + m], &mut col);
-            for i in 0..rows {
-                axpy(
-                    &mut out[i * n + o..i * n + o + m],
-                    q[i * d + dd] * scale,
-                    &col,
-                );
+            Self::to_f32_slice(&k.keys[dd * k.stride..][..k.len], &mut col);
+            for (i, qi) in q.chunks_exact(d).enumerate() {
+                let row = &mut s.out[i * s.row_stride + s.offset..][..k.len];
+                axpy(row, qi[dd] * scale, &col);
             }
         }
     }
@@ -74,17 +60,8 @@ impl Element for f16 {
     fn read(t: &Tensor) -> Result<Vec<Self>> {
         Ok(t.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?)
     }
-    fn add_scores(
-        k: &[Self],
-        stride: usize,
-        m: usize,
-        q: &[f32],
-        d: usize,
-        scale: f32,
-        out: &mut [f32],
-        at: (usize, usize),
-    ) {
-        kvq_kernels::add_scores_f16(k, stride, m, q, d, scale, out, at);
+    fn add_scores(k: KeyColumns<'_, Self>, q: &[f32], d: usize, scale: f32, s: ScoreRows<'_>) {
+        kvq_kernels::add_scores_f16(k, q, d, scale, s);
     }
 }
 
@@ -262,16 +239,17 @@ impl<E: Element> DenseCache<E> {
         let n = end - start;
         self.for_each_piece(start, end, |o, slot, m, block| {
             let base = kh * d * BLOCK_TOKENS + slot;
-            E::add_scores(
-                &block.k[base..],
-                BLOCK_TOKENS,
-                m,
-                q,
-                d,
-                scale,
-                scores,
-                (n, o),
-            );
+            let k = KeyColumns {
+                keys: &block.k[base..],
+                stride: BLOCK_TOKENS,
+                len: m,
+            };
+            let s = ScoreRows {
+                out: &mut *scores,
+                row_stride: n,
+                offset: o,
+            };
+            E::add_scores(k, q, d, scale, s);
         });
     }
 
