@@ -14,10 +14,17 @@ use std::sync::Arc;
 /// A linear layer `y = x W^T (+ b)` whose weight may be quantized.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    w: QMatMul,
+    w: LinearWeight,
     b: Option<Tensor>,
-    /// The weight repacked for the AVX2 Q4_1 kernel when it is Q4_1 on the CPU.
-    q41: Option<Arc<Q41Weight>>,
+}
+
+/// How a linear layer holds its weight: exactly one copy.
+#[derive(Debug, Clone)]
+enum LinearWeight {
+    /// Q4_1 on the CPU, repacked for the AVX2 kernel; the ggml blocks are not kept.
+    Q41(Arc<Q41Weight>),
+    /// Anything else, through candle's kernels.
+    Candle(QMatMul),
 }
 
 /// Prompt chunks of at least this many tokens run their projections as one f32 GEMM against the
@@ -27,20 +34,30 @@ pub struct Linear {
 pub const DEQUANT_MIN_ROWS: usize = 32;
 
 impl Linear {
-    /// A layer from its weight and optional bias.
+    /// A layer from its weight and optional bias. A Q4_1 weight on the CPU is repacked and its
+    /// ggml blocks dropped.
     pub fn new(w: QMatMul, b: Option<Tensor>) -> Result<Self> {
-        let q41 = match &w {
-            QMatMul::QTensor(q) => Q41Weight::from_qtensor(q)?.map(Arc::new),
-            _ => None,
+        let w = match &w {
+            QMatMul::QTensor(q) => match Q41Weight::from_qtensor(q)? {
+                Some(q41) => LinearWeight::Q41(Arc::new(q41)),
+                None => LinearWeight::Candle(w),
+            },
+            _ => LinearWeight::Candle(w),
         };
-        Ok(Self { w, b, q41 })
+        Ok(Self { w, b })
     }
 
     /// The quantized path (rows of decode and short chunks).
     fn forward_quantized(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.q41 {
-            Some(q) if x.rank() == 2 && x.dtype() == DType::F32 => q.forward(x),
-            _ => Ok(self.w.forward(x)?),
+        match &self.w {
+            LinearWeight::Q41(q) if x.rank() == 2 && x.dtype() == DType::F32 => q.forward(x),
+            LinearWeight::Q41(q) => Err(ModelError::Invalid(format!(
+                "a Q4_1 layer takes [T, {}] f32 activations, got {:?} {:?}",
+                q.cols(),
+                x.dims(),
+                x.dtype()
+            ))),
+            LinearWeight::Candle(w) => Ok(w.forward(x)?),
         }
     }
 
@@ -55,9 +72,14 @@ impl Linear {
     /// of the two paths it takes, never on the other rows of the batch.
     pub fn forward_split(&self, x: &Tensor, dense_rows: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let y = match &self.w {
-            QMatMul::QTensor(q) if dense_rows > 0 => {
-                let w = q.dequantize(x.device())?;
+        let dequantized = match &self.w {
+            _ if dense_rows == 0 => None,
+            LinearWeight::Q41(q) => Some(q.dequantize(x.device())?),
+            LinearWeight::Candle(QMatMul::QTensor(q)) => Some(q.dequantize(x.device())?),
+            LinearWeight::Candle(_) => None,
+        };
+        let y = match dequantized {
+            Some(w) => {
                 let dense = x.narrow(0, 0, dense_rows)?.matmul(&w.t()?)?;
                 if dense_rows == n {
                     dense
@@ -67,8 +89,7 @@ impl Linear {
                     Tensor::cat(&[dense, rest], 0)?
                 }
             }
-            QMatMul::QTensor(_) => self.forward_quantized(x)?,
-            w => w.forward(x)?,
+            None => self.forward_quantized(x)?,
         };
         Ok(match &self.b {
             Some(b) => y.broadcast_add(b)?,
@@ -81,6 +102,8 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub enum Embedding {
     Quantized(Arc<QTensor>),
+    /// A Q4_1 table on the CPU, held once as tiles that also serve a tied output projection.
+    Q41(Arc<Q41Weight>),
     Dense(Tensor),
 }
 
@@ -89,14 +112,21 @@ impl Embedding {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Embedding::Quantized(q) => q.embedding(ids)?.to_dtype(DType::F32)?,
+            Embedding::Q41(q) => q.embedding(ids)?,
             Embedding::Dense(t) => t.index_select(ids, 0)?.to_dtype(DType::F32)?,
         })
     }
 
-    /// The same table used as the output projection (tied embeddings).
+    /// The same table used as the output projection (tied embeddings), sharing its memory.
     pub fn as_linear(&self) -> Result<Linear> {
         let w = match self {
             Embedding::Quantized(q) => QMatMul::from_arc(q.clone())?,
+            Embedding::Q41(q) => {
+                return Ok(Linear {
+                    w: LinearWeight::Q41(q.clone()),
+                    b: None,
+                });
+            }
             Embedding::Dense(t) if t.dtype() == DType::F16 => QMatMul::TensorF16(t.clone()),
             Embedding::Dense(t) => QMatMul::Tensor(t.clone()),
         };
@@ -287,7 +317,10 @@ impl WeightSource for GgufWeights {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
                 Embedding::Dense(q.dequantize(&self.device)?)
             }
-            _ => Embedding::Quantized(Arc::new(q)),
+            _ => match Q41Weight::from_qtensor(&q)? {
+                Some(q41) => Embedding::Q41(Arc::new(q41)),
+                None => Embedding::Quantized(Arc::new(q)),
+            },
         })
     }
 
