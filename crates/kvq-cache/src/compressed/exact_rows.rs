@@ -39,10 +39,11 @@ impl Fp16Rows {
         }
     }
 
-    /// The row of head `h` at position `pos` (held, on the host), as f32 into `out` (`d` long).
-    pub(super) fn row(&self, h: usize, pos: usize, d: usize, out: &mut [f32]) {
-        let i = (pos - self.first) * d;
-        self.rows[h][i..i + d].convert_to_f32_slice(out);
+    /// The rows of head `h` at positions `from..to` (held, on the host), as f32 into `out`
+    /// (`(to - from) * d` long), converted in one pass.
+    pub(super) fn rows_f32(&self, h: usize, (from, to): (usize, usize), d: usize, out: &mut [f32]) {
+        let (a, b) = ((from - self.first) * d, (to - self.first) * d);
+        self.rows[h][a..b].convert_to_f32_slice(out);
     }
 
     /// The device rows of positions `from..to` (`[heads, to - from, d]` f16), as a view; None

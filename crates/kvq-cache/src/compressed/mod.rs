@@ -274,7 +274,7 @@ impl KvCache for CompressedCache {
             parts.as_deref(),
             t,
             p,
-        );
+        )?;
         // Later queries sit at positions >= len: the fp16 rows of a long chunk can go now.
         self.trim_recent()?;
         Ok(Tensor::from_vec(out, q.dims(), q.device())?)
