@@ -12,6 +12,7 @@ pub mod methods;
 pub mod params;
 pub mod registry;
 pub mod rowbuf;
+mod tiles;
 pub mod traits;
 
 #[cfg(test)]

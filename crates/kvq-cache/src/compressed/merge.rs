@@ -14,11 +14,9 @@
 use super::center::KeyCenter;
 use super::exact_rows::{ExactRows, Fp16Rows};
 use crate::attention::{axpy, dot};
+use crate::tiles::{RowState, TileGrid};
 use crate::traits::CacheGeometry;
 use kvq_kernels::{AttendParams, Partial};
-
-/// Query positions per work item.
-const TILE_POSITIONS: usize = 16;
 
 /// fp16 keys an item converts and scores at once.
 const SPAN_TOKENS: usize = 128;
@@ -26,14 +24,6 @@ const SPAN_TOKENS: usize = 128;
 /// Below this many fp16 keys per query row in all, a step attends on the calling thread: a
 /// decode step's window is less work than handing it to the pool.
 const PARALLEL_MIN_KEYS: usize = 4096;
-
-/// One row's online-softmax state: running max, sum of `exp(s - max)`, and (beside it, in the
-/// item's accumulator) the unnormalized output.
-#[derive(Clone, Copy)]
-struct RowState {
-    max: f32,
-    sum: f32,
-}
 
 /// What an item reads from one kind of fp16 rows: per row, the half-open position range.
 struct Segment<'a> {
@@ -82,18 +72,7 @@ impl Tile<'_> {
                 for (s, k) in row.iter_mut().zip(keys[a * d..b * d].chunks_exact(d)) {
                     *s = dot(qrow, k) * self.scale;
                 }
-                let span_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let st = &mut self.state[i];
-                if span_max > st.max {
-                    // Rescale what the row holds to the new max (exp(-inf) = 0 the first time).
-                    let c = (st.max - span_max).exp();
-                    st.sum *= c;
-                    self.acc[i * d..(i + 1) * d]
-                        .iter_mut()
-                        .for_each(|x| *x *= c);
-                    st.max = span_max;
-                }
-                st.sum += kvq_kernels::exp_sub_sum(row, st.max);
+                self.state[i].fold(row, &mut self.acc[i * d..(i + 1) * d]);
             }
             let values = &mut self.buf[..m * d];
             seg.values.rows_f32(self.kh, (lo, hi), d, values);
@@ -132,9 +111,14 @@ pub(super) fn merge(
         head_dim: d,
         ..
     } = *geom;
-    let group = n_heads / n_kv_heads;
-    let tiles = t.div_ceil(TILE_POSITIONS);
-    let width = group * TILE_POSITIONS * d;
+    let grid = TileGrid {
+        n_heads,
+        n_kv_heads,
+        t,
+        d,
+    };
+    let group = grid.group();
+    let width = grid.item_width();
     let keys_per_row = {
         let (start, c0, c1) = p.ranges(p.first_pos + t - 1);
         (c0 - start) + (p.first_pos + t - c1)
@@ -143,17 +127,11 @@ pub(super) fn merge(
         true => usize::MAX,
         false => 2,
     };
-    let mut items = vec![0f32; n_kv_heads * tiles * width];
+    let mut items = vec![0f32; n_kv_heads * grid.tiles() * width];
     kvq_kernels::for_each_row(&mut items, width, min_parallel, |item, out| {
-        let (kh, tile) = (item / tiles, item % tiles);
-        let p0 = tile * TILE_POSITIONS;
-        let n = (p0 + TILE_POSITIONS).min(t) - p0;
+        let (kh, p0, n) = grid.item(item);
         let rows = group * n;
-        let mut qt = vec![0f32; rows * d];
-        for g in 0..group {
-            let head = kh * group + g;
-            qt[g * n * d..(g + 1) * n * d].copy_from_slice(&q[(head * t + p0) * d..][..n * d]);
-        }
+        let qt = grid.gather_queries(q, (kh, p0, n));
         let ranges: Vec<_> = (0..rows)
             .map(|i| p.ranges(p.first_pos + p0 + i % n))
             .collect();
@@ -177,13 +155,7 @@ pub(super) fn merge(
             scale: p.scale,
             q: &qt,
             acc,
-            state: vec![
-                RowState {
-                    max: f32::NEG_INFINITY,
-                    sum: 0.0,
-                };
-                rows
-            ],
+            state: vec![RowState::EMPTY; rows],
             scores: vec![0f32; rows * SPAN_TOKENS],
             buf: vec![0f32; SPAN_TOKENS * d],
         };
@@ -208,21 +180,7 @@ pub(super) fn merge(
             });
         }
     })?;
-    // Item rows are (group head, position in tile); scatter them to [n_heads, t, d].
-    let mut out = vec![0f32; n_heads * t * d];
-    for kh in 0..n_kv_heads {
-        for tile in 0..tiles {
-            let item = &items[(kh * tiles + tile) * width..][..width];
-            let p0 = tile * TILE_POSITIONS;
-            let n = (p0 + TILE_POSITIONS).min(t) - p0;
-            for g in 0..group {
-                let head = kh * group + g;
-                let src = &item[g * n * d..(g + 1) * n * d];
-                out[(head * t + p0) * d..][..n * d].copy_from_slice(src);
-            }
-        }
-    }
-    Ok(out)
+    Ok(grid.scatter(&items))
 }
 
 /// Merges a row's fp16 state (`st`, unnormalized output in `acc`) with the codes' partial
