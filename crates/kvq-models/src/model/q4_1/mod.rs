@@ -7,7 +7,8 @@
 //! quantized to Q8_1 (`d = amax / 127`, `q = round(x / d)`, `s = d * Σq`, `d` and `s` as f16) and
 //! each block adds `sumi as f32 * d4 * d8 + m4 * s8` in that order, so every kernel here (scalar,
 //! AVX2, AVX-512 VNNI) gives the same bits as [`matmul_q4_1_reference`] and as candle. Rows are
-//! independent: a row's result never depends on the other rows of the batch.
+//! independent: a row's result never depends on the other rows of the batch. The tiles are the
+//! only copy of the weight: the prompt path's f32 GEMM dequantizes from them (`dequant.rs`).
 
 use crate::{ModelError, Result};
 use candle_core::Tensor;
@@ -461,5 +462,6 @@ impl Q41Weight {
 }
 
 mod dequant;
+
 #[cfg(test)]
 mod tests;
