@@ -96,7 +96,10 @@ pub struct BenchArgs {
     #[arg(long, env = "KVQ_PLOT_FONT")]
     pub plot_font: Option<PathBuf>,
     /// `llama-bench -o json` outputs (comma-separated or repeated) to compare with: their
-    /// samples are pooled; decode is matched on depth (`-d N`) = prompt length where present.
+    /// samples are pooled; decode is matched on depth (`-d N`) = prompt length where present;
+    /// fp16 rows against llama.cpp's f16 cache, compressed ones against q4_0 (`-ctk`/`-ctv`). A
+    /// file `X.json.maxrss` beside `X.json` (`/usr/bin/time -f %M -o`) gives that process's
+    /// peak RSS in KiB.
     #[arg(long, value_delimiter = ',')]
     pub compare_llama_bench: Vec<PathBuf>,
     /// Report earlier `kvq bench --json` outputs instead of measuring (samples pooled).
@@ -229,7 +232,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if !args.compare_llama_bench.is_empty() {
         let llama = llama::LlamaBench::read(&args.compare_llama_bench)?;
         for row in &mut rows {
-            row.llama_cpp = Some(llama.compare(row));
+            row.llama_cpp = llama.compare(row);
         }
     }
     println!("{}", table::render_table(&rows));

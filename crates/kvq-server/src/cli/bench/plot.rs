@@ -70,7 +70,12 @@ const COLORS: &[RGBColor] = &[
     RGBColor(219, 219, 141),
     RGBColor(158, 218, 229),
 ];
-const LLAMA_COLORS: &[RGBColor] = &[RGBColor(255, 127, 14), RGBColor(214, 39, 40)];
+const LLAMA_COLORS: &[RGBColor] = &[
+    RGBColor(255, 127, 14),
+    RGBColor(214, 39, 40),
+    RGBColor(255, 187, 120),
+    RGBColor(255, 152, 150),
+];
 
 /// (method, threads) of the kvq rows in order of first appearance, and the distinct thread counts.
 fn keys(rows: &[BenchRow]) -> (Vec<(&str, usize)>, Vec<usize>) {
@@ -127,28 +132,46 @@ fn speed_series(rows: &[BenchRow], lengths: &[usize]) -> Vec<Series> {
     let mut out = kvq_series(rows, lengths, &|r| {
         [Some(r.pp_tps.median), Some(r.tg_tps.median)]
     });
-    // Then one llama.cpp series per thread count.
-    let (_, threads) = keys(rows);
     let med = |s: &Option<Stats>| s.as_ref().map(|s| s.median);
-    for (i, &t) in threads.iter().enumerate() {
-        let llama = |n: usize, f: &dyn Fn(&super::LlamaCpp) -> Option<f64>| {
+    out.extend(llama_series(rows, lengths, &|l| {
+        [med(&l.pp_tps), med(&l.tg_tps)]
+    }));
+    out
+}
+
+/// One llama.cpp series per (KV cache type, thread count), `f`'s two values per ctx.
+fn llama_series(
+    rows: &[BenchRow],
+    lengths: &[usize],
+    f: &dyn Fn(&super::LlamaCpp) -> [Option<f64>; 2],
+) -> Vec<Series> {
+    let (_, threads) = keys(rows);
+    let mut types: Vec<&str> = Vec::new();
+    for l in rows.iter().filter_map(|r| r.llama_cpp.as_ref()) {
+        if !types.contains(&l.cache_type.as_str()) {
+            types.push(&l.cache_type);
+        }
+    }
+    let pairs = types
+        .iter()
+        .flat_map(|&c| threads.iter().map(move |&t| (c, t)));
+    let mut out = Vec::new();
+    for (i, (c, t)) in pairs.enumerate() {
+        let at = |n: usize| {
             rows.iter()
                 .filter(|r| r.prompt_tokens == n && r.threads == t)
-                .find_map(|r| r.llama_cpp.as_ref().and_then(f))
+                .filter_map(|r| r.llama_cpp.as_ref())
+                .find(|l| l.cache_type == c)
+                .map_or([None, None], f)
         };
-        let pp: Vec<Option<f64>> = lengths
-            .iter()
-            .map(|&n| llama(n, &|l| med(&l.pp_tps)))
-            .collect();
-        let tg: Vec<Option<f64>> = lengths
-            .iter()
-            .map(|&n| llama(n, &|l| med(&l.tg_tps)))
-            .collect();
-        if pp.iter().chain(&tg).any(Option::is_some) {
+        let values: Vec<[Option<f64>; 2]> = lengths.iter().map(|&n| at(n)).collect();
+        let panel = |p: usize| values.iter().map(|v| v[p]).collect::<Vec<_>>();
+        let (first, second) = (panel(0), panel(1));
+        if first.iter().chain(&second).any(Option::is_some) {
             out.push(Series {
-                label: label("llama.cpp".into(), t, &threads),
+                label: label(format!("llama.cpp {c}"), t, &threads),
                 color: LLAMA_COLORS[i % LLAMA_COLORS.len()],
-                values: [pp, tg],
+                values: [first, second],
             });
         }
     }
@@ -187,14 +210,24 @@ pub fn draw(rows: &[BenchRow], path: &Path) -> anyhow::Result<()> {
 pub fn draw_memory(rows: &[BenchRow], path: &Path) -> anyhow::Result<()> {
     let lengths = lengths(rows);
     let model = rows.first().map_or("", |r| r.model.as_str());
-    let gen_tokens = rows.first().map_or(0, |r| r.gen_tokens);
+    let mut gens: Vec<usize> = rows.iter().map(|r| r.gen_tokens).collect();
+    gens.sort_unstable();
+    gens.dedup();
+    let generated = match gens.as_slice() {
+        [one] => format!("{one} tokens"),
+        _ => "the generated tokens".into(),
+    };
     let rows: Vec<BenchRow> = rows.iter().filter(|r| r.engine == "kvq").cloned().collect();
-    let series = kvq_series(&rows, &lengths, &|r| {
+    let mut series = kvq_series(&rows, &lengths, &|r| {
         [
             Some(mib(r.kv_resident_bytes as f64)),
             r.peak_rss_bytes.map(|b| mib(b as f64)),
         ]
     });
+    // llama.cpp's peak RSS where it was recorded (its KV bytes are not in llama-bench's output).
+    series.extend(llama_series(&rows, &lengths, &|l| {
+        [None, l.peak_rss_bytes.map(|b| mib(b as f64))]
+    }));
     let peak = if rows.iter().all(|r| r.isolated) {
         "peak RSS of the process (model + cache)"
     } else {
@@ -206,10 +239,7 @@ pub fn draw_memory(rows: &[BenchRow], path: &Path) -> anyhow::Result<()> {
         &lengths,
         &series,
         [
-            (
-                format!("KV cache resident after ctx + {gen_tokens} tokens"),
-                "MiB",
-            ),
+            (format!("KV cache resident after ctx + {generated}"), "MiB"),
             (peak.into(), "MiB"),
         ],
     )

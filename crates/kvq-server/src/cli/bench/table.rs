@@ -82,7 +82,7 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
     }
     header.extend(["ctx", "pp tok/s"]);
     if compared {
-        header.extend(["llama.cpp pp tok/s", "pp ratio"]);
+        header.extend(["llama.cpp KV", "llama.cpp pp tok/s", "pp ratio"]);
     }
     header.push("tg tok/s");
     if compared {
@@ -98,6 +98,14 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
         "RSS at end MiB",
         "peak RSS MiB",
     ]);
+    let llama_rss = rows.iter().any(|r| {
+        r.llama_cpp
+            .as_ref()
+            .is_some_and(|l| l.peak_rss_bytes.is_some())
+    });
+    if llama_rss {
+        header.extend(["llama.cpp peak RSS MiB", "RSS ratio"]);
+    }
     let mut table = Table::new();
     table.load_style(ASCII_MARKDOWN).set_header(header);
     for r in rows {
@@ -119,6 +127,7 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
         cells.push(Cell::new(fmt_stats(&r.pp_tps)));
         let l = r.llama_cpp.as_ref();
         if compared {
+            cells.push(Cell::new(l.map_or("-", |l| l.cache_type.as_str())));
             cells.push(Cell::new(l.map_or("-".into(), |l| fmt_opt(&l.pp_tps))));
             cells.push(Cell::new(fmt_ratio(l.and_then(|l| l.pp_ratio))));
         }
@@ -137,6 +146,10 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
             Cell::new(fmt_mib(r.rss_end_bytes)),
             Cell::new(fmt_mib(r.peak_rss_bytes)),
         ]);
+        if llama_rss {
+            cells.push(Cell::new(fmt_mib(l.and_then(|l| l.peak_rss_bytes))));
+            cells.push(Cell::new(fmt_ratio(l.and_then(|l| l.rss_ratio))));
+        }
         table.add_row(cells);
     }
     for i in 1..table.column_count() {

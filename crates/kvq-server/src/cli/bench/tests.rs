@@ -95,7 +95,10 @@ fn merges_runs_and_compares_with_llama_bench() {
     .unwrap();
     let l = LlamaBench::read(std::slice::from_ref(&ll))
         .unwrap()
-        .compare(&rows[0]);
+        .compare(&rows[0])
+        .unwrap();
+    assert_eq!(l.cache_type, "f16");
+    assert_eq!((l.peak_rss_bytes, l.rss_ratio), (None, None));
     assert_eq!(l.pp_tps.as_ref().unwrap().median, 40.0);
     assert_eq!(l.pp_ratio, Some(0.5));
     assert_eq!((l.tg_depth, l.tg_ratio), (128, Some(0.6)));
@@ -109,6 +112,65 @@ fn merges_runs_and_compares_with_llama_bench() {
         "{table}"
     );
     assert!(table.contains("accumulate"), "not isolated:\n{table}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Compressed rows meet llama.cpp's q4_0 tests, fp16 rows its f16 ones; a `.maxrss` file beside
+/// an output gives its process's peak RSS, and a row with no test of its type gets nothing.
+#[test]
+fn compares_each_method_with_its_cache_type_and_peak_rss() {
+    let dir = scratch("types");
+    let f16 = dir.join("f16-d2048.json");
+    let q4 = dir.join("q4-d2048.json");
+    let test = |t: &str, ts: f64| {
+        format!(
+            r#"{{"n_prompt": 0, "n_gen": 64, "n_depth": 2048, "n_threads": 2, "type_k": "{t}",
+                "type_v": "{t}", "samples_ts": [{ts}]}}"#
+        )
+    };
+    std::fs::write(&f16, format!("[{}]", test("f16", 50.0))).unwrap();
+    std::fs::write(dir.join("f16-d2048.json.maxrss"), "204800\n").unwrap();
+    std::fs::write(&q4, format!("[{}]", test("q4_0", 40.0))).unwrap();
+    std::fs::write(dir.join("q4-d2048.json.maxrss"), "102400").unwrap();
+    let llama = LlamaBench::read(&[f16.clone(), q4.clone()]).unwrap();
+
+    let mut fp16 = row(2048, 2, &[100.0], &[60.0]);
+    fp16.gen_tokens = 64;
+    fp16.peak_rss_bytes = Some(100 << 20);
+    let mut mse = BenchRow {
+        method: "turboquant-mse-4bit".into(),
+        bits: 4,
+        tg_tps: Stats::new(vec![80.0]).unwrap(),
+        ..fp16.clone()
+    };
+    let l = llama.compare(&fp16).unwrap();
+    assert_eq!((l.cache_type.as_str(), l.tg_depth), ("f16", 2048));
+    assert_eq!(l.tg_ratio, Some(1.2));
+    assert_eq!(l.peak_rss_bytes, Some(200 << 20));
+    assert_eq!(l.rss_ratio, Some(0.5));
+    let q = llama.compare(&mse).unwrap();
+    assert_eq!((q.cache_type.as_str(), q.tg_ratio), ("q4_0", Some(2.0)));
+    assert_eq!(
+        (q.peak_rss_bytes, q.rss_ratio),
+        (Some(100 << 20), Some(1.0))
+    );
+    mse.llama_cpp = Some(q);
+    let table = render_table(&[mse.clone()]);
+    assert!(
+        table.contains("q4_0") && table.contains("RSS ratio"),
+        "{table}"
+    );
+
+    // Only the f16 file read: the compressed row has nothing to meet.
+    let only_f16 = LlamaBench::read(std::slice::from_ref(&f16)).unwrap();
+    assert!(only_f16.compare(&mse).is_none());
+    // A .maxrss that is not a number is an error naming it.
+    std::fs::write(dir.join("q4-d2048.json.maxrss"), "lots").unwrap();
+    let err = LlamaBench::read(std::slice::from_ref(&q4)).err().unwrap();
+    assert!(
+        format!("{err:#}").contains("q4-d2048.json.maxrss"),
+        "{err:#}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
