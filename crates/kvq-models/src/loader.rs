@@ -145,7 +145,7 @@ fn load_gguf(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<LoadedModel> {
     let mut weights = GgufWeights::open(path, device)?;
-    let cfg = ModelConfig::from_gguf(weights.content())?;
+    let mut cfg = ModelConfig::from_gguf(weights.content())?;
     let tokenizer = Tokenizer::from_gguf(weights.content())?;
     let template_src = weights
         .content()
@@ -173,10 +173,16 @@ fn load_gguf(
         &[&finetune, &name, &stem],
     )?;
     if weights.contains("rope_freqs.weight") {
-        tracing::warn!(
-            "the GGUF carries rope_freqs.weight (Llama 3.1+ rope scaling), which kvq does not \
-             apply yet: long contexts drift from the reference"
-        );
+        // Llama 3.1+ rope scaling, as llama.cpp's converter stores it: a divisor per pair.
+        let factors = weights
+            .dense("rope_freqs.weight")?
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        cfg.rope_freq_factors = Some(crate::model::rope::check_gguf_factors(
+            factors,
+            cfg.head_dim,
+        )?);
     }
     let model = Model::load(cfg.clone(), &mut weights, device, progress)?;
     let id = path.file_stem().map_or_else(

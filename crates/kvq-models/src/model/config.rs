@@ -35,6 +35,9 @@ pub struct ModelConfig {
     pub rope_theta_local: Option<f32>,
     /// Factor the token embeddings are multiplied by (Gemma: sqrt(hidden_size)).
     pub embed_scale: Option<f32>,
+    /// Divisor of each rotary frequency pair (`head_dim / 2` of them): Llama 3.1+ rope scaling
+    /// (a GGUF's `rope_freqs.weight`, or config.json's `rope_scaling`); None is all ones.
+    pub rope_freq_factors: Option<Vec<f32>>,
 }
 
 fn md<'a>(c: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
@@ -109,6 +112,8 @@ impl ModelConfig {
             global_every: gemma3.then_some(6),
             rope_theta_local: gemma3.then_some(10_000.0),
             embed_scale: gemma3.then(|| (hidden_size as f32).sqrt()),
+            // Read from the `rope_freqs.weight` tensor by the loader, when the file has one.
+            rope_freq_factors: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -149,10 +154,11 @@ impl ModelConfig {
             ("mistral", w) => w,
             _ => None,
         };
-        if hf.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            tracing::warn!("config.json has rope_scaling, which kvq ignores for now");
-        }
         let n_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        let head_dim = hf
+            .head_dim
+            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        let rope_theta = hf.rope_theta.unwrap_or(10_000.0);
         let cfg = Self {
             architecture: family.to_string(),
             hidden_size: hf.hidden_size,
@@ -160,12 +166,10 @@ impl ModelConfig {
             n_layers: hf.num_hidden_layers,
             n_heads: hf.num_attention_heads,
             n_kv_heads,
-            head_dim: hf
-                .head_dim
-                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            head_dim,
             vocab_size: hf.vocab_size,
             context_length: hf.max_position_embeddings,
-            rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+            rope_theta,
             norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_interleaved: false,
             sliding_window,
@@ -174,6 +178,11 @@ impl ModelConfig {
             global_every: None,
             rope_theta_local: None,
             embed_scale: None,
+            rope_freq_factors: super::rope::hf_freq_factors(
+                hf.rope_scaling.as_ref(),
+                head_dim,
+                rope_theta,
+            )?,
         };
         cfg.validate()?;
         Ok(cfg)

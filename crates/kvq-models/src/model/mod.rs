@@ -6,6 +6,7 @@ pub mod arch;
 pub mod config;
 pub mod layers;
 pub mod q4_1;
+pub mod rope;
 pub mod weights;
 
 pub use arch::Family;
@@ -80,7 +81,7 @@ impl Model {
         }
         let ropes = thetas
             .iter()
-            .map(|&theta| rope_tables(&cfg, theta, device))
+            .map(|&theta| rope::rope_tables(&cfg, theta, device))
             .collect::<Result<Vec<_>>>()?;
         progress(total, total);
         Ok(Self {
@@ -301,19 +302,6 @@ impl Model {
 }
 
 /// cos/sin tables `[context, head_dim / 2]` for rotary base `theta`.
-fn rope_tables(cfg: &ModelConfig, theta: f32, device: &Device) -> Result<(Tensor, Tensor)> {
-    let half = cfg.head_dim / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, half), device)?;
-    let t = Tensor::arange(0u32, cfg.context_length as u32, device)?
-        .to_dtype(DType::F32)?
-        .reshape((cfg.context_length, 1))?;
-    let freqs = t.broadcast_mul(&inv)?;
-    Ok((freqs.cos()?.contiguous()?, freqs.sin()?.contiguous()?))
-}
-
 /// Log-softmax over the last dimension.
 pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::ops::log_softmax(logits, D::Minus1)?)

@@ -110,6 +110,7 @@ pub fn config(text: &str) -> Result<ModelConfig> {
         global_every: None,
         rope_theta_local: None,
         embed_scale: None,
+        rope_freq_factors: None,
     })
 }
 
