@@ -268,3 +268,21 @@ async fn models_health_and_metrics() {
         assert!(m.contains(name), "{name} missing from /metrics:\n{m}");
     }
 }
+
+/// `logit_bias` reaches the sampler: +100 on one token makes every generated token that one,
+/// at temperature 1 as greedily; the output is that token's text repeated.
+#[tokio::test]
+async fn logit_bias_forces_a_token() {
+    for temperature in [0.0, 1.0] {
+        let body = json!({
+            "model": model_id(), "prompt": "The weather today is", "max_tokens": 4,
+            "temperature": temperature, "seed": 3, "logit_bias": {"1000": 100},
+        });
+        let (status, _, v) = post_json("/v1/completions", &body, &[]).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        let piece = text.get(..text.len() / 4).unwrap_or_default();
+        assert!(!piece.is_empty() && text == piece.repeat(4), "{text:?}");
+    }
+}

@@ -303,3 +303,49 @@ for chunked in (False, True):
     let (s, _, out) = common::post_json("/v1/chat/completions", &body, &[]).await;
     assert_eq!(s, 200, "{out}");
 }
+
+/// OpenAI fields kvq does not implement yet are refused by name (code `unsupported_parameter`),
+/// streaming or not, never silently ignored; bits a method does not take name the bits field.
+#[tokio::test]
+async fn unimplemented_openai_fields_are_400_naming_them() {
+    let tools = json!([{"type": "function", "function": {"name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    for stream in [false, true] {
+        for (field, value) in [
+            ("tools", tools.clone()),
+            ("tool_choice", json!("required")),
+            ("response_format", json!({"type": "json_object"})),
+            ("reasoning_effort", json!("high")),
+        ] {
+            let mut body = json!({"model": model_id(), "messages": msgs(), "stream": stream});
+            body[field] = value;
+            let (s, e) = chat(body, &[]).await;
+            assert_eq!(s, 400, "{field}: {e}");
+            assert_eq!(e["param"], field, "{e}");
+            assert_eq!(e["code"], "unsupported_parameter", "{e}");
+        }
+    }
+    let body = json!({"model": model_id(), "messages": msgs(),
+        "kv_cache": {"method": "turboquant-mse", "bits": 7}});
+    let (s, e) = chat(body, &[]).await;
+    assert_eq!(s, 400, "{e}");
+    assert_eq!(e["param"], "kv_cache.bits", "{e}");
+    let (s, e) = chat(
+        json!({"model": model_id(), "messages": msgs()}),
+        &[
+            ("x-kv-cache-method", "turboquant-mse"),
+            ("x-kv-cache-bits", "7"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (s, e["param"].as_str()),
+        (400, Some("x-kv-cache-bits")),
+        "{e}"
+    );
+    // logit_bias is honored, so a token id past the vocabulary is the request's error.
+    let body = json!({"model": model_id(), "messages": msgs(),
+        "logit_bias": {"4000000": 5}});
+    let (s, e) = chat(body, &[]).await;
+    assert_eq!((s, e["param"].as_str()), (400, Some("logit_bias")), "{e}");
+}

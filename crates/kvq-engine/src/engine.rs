@@ -197,6 +197,20 @@ impl Engine {
             ));
         }
         let s = &req.sampling;
+        if let Some(&(bad, _)) = s.logit_bias.iter().find(|&&(t, _)| t as usize >= vocab) {
+            return Err(invalid(
+                "logit_bias",
+                format!(
+                    "logit_bias names token id {bad}, which is not in the vocabulary (size {vocab})"
+                ),
+            ));
+        }
+        if let Some(&(t, b)) = s.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(invalid(
+                "logit_bias",
+                format!("logit_bias for token {t} must be finite; got {b}"),
+            ));
+        }
         let checks = [
             (
                 s.temperature.is_finite() && s.temperature >= 0.0,

@@ -21,6 +21,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// HF/llama.cpp repetition penalty over prompt and output tokens; 1 disables it.
     pub repetition_penalty: f32,
+    /// OpenAI `logit_bias`: added to these tokens' logits before every pick, greedy included
+    /// (-100 bans a token in practice, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -34,6 +37,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
         }
     }
 }

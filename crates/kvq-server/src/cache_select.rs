@@ -24,14 +24,25 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>,
     }
 }
 
-/// The cache the request asks for, and the parameter to blame if it is invalid.
+/// Where a request's cache choice came from: the parameter to blame for a bad method, and the
+/// one to blame for bits the method does not take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheSource {
+    pub method: &'static str,
+    pub bits: &'static str,
+}
+
+/// Where the body's bits are given.
+pub const BODY_BITS_PARAM: &str = "kv_cache.bits";
+
+/// The cache the request asks for, and the parameters to blame if it is invalid.
 ///
 /// A method header wins over the body entirely; without one, the body's `kv_cache` is used and
 /// an `x-kv-cache-bits` header still overrides its bits.
 pub fn cache_spec(
     headers: &HeaderMap,
     body: Option<&CacheSpec>,
-) -> Result<(CacheSpec, &'static str), ApiError> {
+) -> Result<(CacheSpec, CacheSource), ApiError> {
     let method = header_str(headers, HEADER_METHOD)?;
     let bits = match header_str(headers, HEADER_BITS)? {
         None => None,
@@ -42,14 +53,16 @@ pub fn cache_spec(
             )
         })?),
     };
+    let from_headers = CacheSource {
+        method: HEADER_METHOD,
+        bits: HEADER_BITS,
+    };
     if let Some(method) = method {
-        return Ok((
-            CacheSpec {
-                method: Some(method.to_string()),
-                bits,
-            },
-            HEADER_METHOD,
-        ));
+        let spec = CacheSpec {
+            method: Some(method.to_string()),
+            bits,
+        };
+        return Ok((spec, from_headers));
     }
     match body {
         Some(spec) if spec.method.is_some() || spec.bits.is_some() => Ok((
@@ -57,27 +70,36 @@ pub fn cache_spec(
                 method: spec.method.clone(),
                 bits: bits.or(spec.bits),
             },
-            if spec.method.is_some() {
-                BODY_METHOD_PARAM
-            } else {
-                HEADER_METHOD
+            CacheSource {
+                method: match spec.method {
+                    Some(_) => BODY_METHOD_PARAM,
+                    None => HEADER_METHOD,
+                },
+                bits: match bits {
+                    Some(_) => HEADER_BITS,
+                    None => BODY_BITS_PARAM,
+                },
             },
         )),
-        _ => Ok((CacheSpec { method: None, bits }, HEADER_METHOD)),
+        _ => Ok((CacheSpec { method: None, bits }, from_headers)),
     }
 }
 
 /// Resolves the request's cache choice; unknown methods and invalid bits are 400s that list the
-/// valid choices.
+/// valid choices, naming the header or body field that was wrong.
 pub fn resolve_cache(
     registry: &CacheRegistry,
     headers: &HeaderMap,
     body: Option<&CacheSpec>,
 ) -> Result<ResolvedCache, ApiError> {
-    let (spec, param) = cache_spec(headers, body)?;
-    registry
-        .resolve(&spec)
-        .map_err(|e| ApiError::from_cache(e, param))
+    let (spec, source) = cache_spec(headers, body)?;
+    registry.resolve(&spec).map_err(|e| {
+        let param = match e {
+            kvq_cache::CacheError::InvalidBits { .. } => source.bits,
+            _ => source.method,
+        };
+        ApiError::from_cache(e, param)
+    })
 }
 
 #[cfg(test)]
@@ -99,10 +121,10 @@ mod tests {
             method: Some("qjl".into()),
             bits: Some(3),
         };
-        let (spec, param) = cache_spec(&headers(&[(HEADER_METHOD, "fp16")]), Some(&body)).unwrap();
+        let (spec, source) = cache_spec(&headers(&[(HEADER_METHOD, "fp16")]), Some(&body)).unwrap();
         assert_eq!(spec.method.as_deref(), Some("fp16"));
         assert_eq!(spec.bits, None);
-        assert_eq!(param, HEADER_METHOD);
+        assert_eq!(source.method, HEADER_METHOD);
     }
 
     #[test]
@@ -111,9 +133,37 @@ mod tests {
             method: Some("fp16".into()),
             bits: Some(16),
         };
-        let (spec, param) = cache_spec(&HeaderMap::new(), Some(&body)).unwrap();
+        let (spec, source) = cache_spec(&HeaderMap::new(), Some(&body)).unwrap();
         assert_eq!(spec, body);
-        assert_eq!(param, BODY_METHOD_PARAM);
+        assert_eq!(source.method, BODY_METHOD_PARAM);
+        assert_eq!(source.bits, BODY_BITS_PARAM);
+    }
+
+    /// Bits a method does not take blame the field that gave the bits, not the method's.
+    #[test]
+    fn invalid_bits_name_where_the_bits_came_from() {
+        let reg = CacheRegistry::builtin();
+        let body = CacheSpec {
+            method: Some("turboquant-mse".into()),
+            bits: Some(7),
+        };
+        let err = resolve_cache(&reg, &HeaderMap::new(), Some(&body)).unwrap_err();
+        assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(err.param(), Some(BODY_BITS_PARAM));
+        let err = resolve_cache(&reg, &headers(&[(HEADER_BITS, "7")]), Some(&body)).unwrap_err();
+        assert_eq!(err.param(), Some(HEADER_BITS));
+        let h = headers(&[(HEADER_METHOD, "turboquant-mse"), (HEADER_BITS, "7")]);
+        assert_eq!(
+            resolve_cache(&reg, &h, None).unwrap_err().param(),
+            Some(HEADER_BITS)
+        );
+        // A bad method with good bits still names the method.
+        let body = CacheSpec {
+            method: Some("zip".into()),
+            bits: Some(4),
+        };
+        let err = resolve_cache(&reg, &HeaderMap::new(), Some(&body)).unwrap_err();
+        assert_eq!(err.param(), Some(BODY_METHOD_PARAM));
     }
 
     #[test]

@@ -96,6 +96,16 @@ impl ApiError {
         }
     }
 
+    /// A 400 `invalid_request_error` with code `unsupported_parameter`: an OpenAI field this
+    /// server does not implement (yet), refused rather than ignored.
+    pub fn unsupported(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+            code: Some("unsupported_parameter".into()),
+        }
+    }
+
     /// A 400 `invalid_request_error` that concerns no single parameter.
     pub fn invalid_body(message: impl Into<String>) -> Self {
         Self::InvalidRequest {

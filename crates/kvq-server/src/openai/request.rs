@@ -1,9 +1,11 @@
 //! Request bodies of `/v1/chat/completions` and `/v1/completions`, as loosely typed as OpenAI
 //! clients need: numbers are wide, polymorphic fields (`stop`, `content`, `prompt`, `kv_cache`)
 //! stay JSON values. A field OpenAI's API does not define (nor kvq's `top_k`, `min_p`,
-//! `repetition_penalty`, `kv_cache`) is a 400 naming it, as OpenAI answers; fields OpenAI defines
-//! that kvq does not act on are accepted and ignored (`user`, `metadata`, `store`, ...).
-//! `crate::validate` turns them into checked values.
+//! `repetition_penalty`, `kv_cache`) is a 400 naming it, as OpenAI answers. Of the fields OpenAI
+//! defines, those that cannot change the answer are accepted and ignored (`user`, `metadata`,
+//! `store`, ...), and those kvq does not implement yet (`tools`, JSON `response_format`, ...)
+//! are refused by `crate::validate::unsupported`. `crate::validate` turns them into checked
+//! values.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -24,7 +26,8 @@ pub struct InputMessage {
     /// A string, or an array of `{"type": "text", "text": ...}` parts; `null` is empty.
     #[serde(default)]
     pub content: Option<Value>,
-    /// OpenAI's other message fields, accepted and not used.
+    /// OpenAI's other message fields: `name` and `refusal` are accepted and not used; the tool
+    /// and audio ones are refused (`crate::validate::unsupported`).
     #[serde(default)]
     pub name: Option<Value>,
     #[serde(default)]
@@ -66,10 +69,9 @@ pub struct ChatCompletionRequest {
     pub kv_cache: Option<Value>,
     /// Generate past the EOS token up to `max_tokens` (as vLLM and llama.cpp's server do).
     pub ignore_eos: Option<bool>,
-    // OpenAI's fields that kvq accepts without acting on them (`deny_unknown_fields` does not
-    // combine with `flatten`, so they are listed here). Tools and structured outputs are not
-    // implemented yet: their fields are accepted as OpenAI clients send them and do not
-    // constrain the output.
+    // The rest of OpenAI's fields (`deny_unknown_fields` does not combine with `flatten`, so
+    // they are listed here): `logit_bias` is honored; `crate::validate::unsupported` says which
+    // of the others are ignored by design and which are refused until implemented.
     pub user: Option<Value>,
     pub metadata: Option<Value>,
     pub store: Option<Value>,
@@ -118,7 +120,8 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     pub kv_cache: Option<Value>,
     pub ignore_eos: Option<bool>,
-    // Accepted and not acted on, as in chat.
+    /// Accepted and not acted on, as in chat.
     pub user: Option<Value>,
+    /// Honored, as in chat.
     pub logit_bias: Option<Value>,
 }

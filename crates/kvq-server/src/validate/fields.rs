@@ -1,5 +1,5 @@
-//! Checks of single request fields: ranges of the sampling numbers, `stop`, `n`, `seed`,
-//! `max_tokens`, message content parts and the body's `kv_cache`. Each returns a typed value or
+//! Checks of single request fields: ranges of the sampling numbers, `logit_bias`, `stop`, `n`,
+//! `seed`, `max_tokens`, message content parts and the body's `kv_cache`. Each returns a typed value or
 //! the `ApiError` naming the field.
 
 use crate::error::ApiError;
@@ -27,6 +27,7 @@ pub struct SamplingInput<'a> {
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
     pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<&'a Value>,
 }
 
 fn in_range(param: &str, v: f64, lo: f64, hi: f64, lo_open: bool) -> Result<f32, ApiError> {
@@ -77,6 +78,7 @@ pub fn sampling(s: &SamplingInput<'_>) -> Result<SamplingParams, ApiError> {
         }
         p.repetition_penalty = v as f32;
     }
+    p.logit_bias = logit_bias(s.logit_bias)?;
     Ok(p)
 }
 
@@ -286,4 +288,50 @@ pub fn kind(v: &Value) -> &'static str {
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
     }
+}
+
+/// The most a `logit_bias` entry may add or subtract (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// `logit_bias`: an object mapping token ids (as strings) to a bias in -100..=100. The ids are
+/// checked against the vocabulary by the engine.
+pub fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let obj = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(obj)) => obj,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "'logit_bias' must be an object mapping token ids to a bias; got {}.",
+                    kind(other)
+                ),
+            ));
+        }
+    };
+    let mut out = Vec::with_capacity(obj.len());
+    for (key, value) in obj {
+        let id = key.trim().parse::<u32>().map_err(|_| {
+            ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "'logit_bias' keys must be token ids (non-negative integers); got {key:?}."
+                ),
+            )
+        })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| b.is_finite() && b.abs() <= MAX_LOGIT_BIAS)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "'logit_bias[\"{key}\"]' must be a number from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}; got {value}."
+                    ),
+                )
+            })?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
 }

@@ -5,6 +5,7 @@
 pub mod fields;
 #[cfg(test)]
 mod tests;
+pub mod unsupported;
 
 use crate::error::ApiError;
 use crate::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
@@ -152,6 +153,7 @@ pub fn validate_chat(
     limits: &ServerLimits,
 ) -> Result<ValidatedChat, ApiError> {
     let model = check_model(req.model.as_deref(), served_model)?;
+    unsupported::check_chat(req)?;
     let Some(raw) = req.messages.as_ref() else {
         return Err(ApiError::invalid(
             "messages",
@@ -192,6 +194,7 @@ pub fn validate_chat(
         frequency_penalty: req.frequency_penalty,
         presence_penalty: req.presence_penalty,
         repetition_penalty: req.repetition_penalty,
+        logit_bias: req.logit_bias.as_ref(),
     })?;
     let logprobs = chat_logprobs(req.logprobs, req.top_logprobs)?;
     let stream = req.stream.unwrap_or(false);
@@ -288,6 +291,7 @@ pub fn validate_completion(
         frequency_penalty: req.frequency_penalty,
         presence_penalty: req.presence_penalty,
         repetition_penalty: req.repetition_penalty,
+        logit_bias: req.logit_bias.as_ref(),
     })?;
     let stream = req.stream.unwrap_or(false);
     Ok(ValidatedCompletion {
