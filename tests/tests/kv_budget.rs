@@ -136,7 +136,7 @@ fn a_budget_for_two_fp16_requests_runs_seven_compressed_ones() {
         .expect("need");
     drop(probe);
     // Two fp16 requests fit, a third does not.
-    let budget = 2 * fp16 + fp16 / 2;
+    let budget = 2 * fp16 + fp16 * 3 / 4;
     assert!(
         7 * mse3 <= budget,
         "fp16 {fp16} B, mse-3 {mse3} B per request"

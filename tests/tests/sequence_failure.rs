@@ -159,6 +159,8 @@ fn a_failing_cache_fails_only_its_sequence() {
                     name: failing.name.clone(),
                     bits: failing.bits,
                     factory: failing.factory.clone(),
+                    // Never interchangeable with a working cache of the same method.
+                    key: format!("failing/{}", failing.key),
                 }
             } else {
                 resolved(&reg, m)

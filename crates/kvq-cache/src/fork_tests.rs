@@ -81,3 +81,78 @@ fn forks_continue_independently_on_the_cpu_path() {
 fn forks_continue_independently_on_the_tensor_path() {
     check(Mode::Tensor);
 }
+
+/// `allow_rewind(r)`: after a prefix, truncating to any of its last `r` positions (inside the
+/// fp16 window, past it, and before the key center is fixed) and continuing equals a fresh
+/// cache fed the kept positions and then the same continuation, exactly.
+fn check_rewind(mode: Mode) {
+    let g = CacheGeometry {
+        n_heads: 6,
+        n_kv_heads: 2,
+        head_dim: 64,
+        sliding_window: None,
+        max_tokens: 4096,
+    };
+    let rewind = 24;
+    // (prefix steps, how far back to truncate): a long prefix cut inside and past the
+    // window of 16, and a short one cut before the center is fixed.
+    let cases: [(&[(usize, u64)], usize); 3] = [
+        (&[(90, 1), (1, 2), (1, 3), (30, 4)], 5),
+        (&[(90, 1), (1, 2), (1, 3), (30, 4)], 23),
+        (&[(6, 1), (1, 2)], 4),
+    ];
+    for (prefix, back) in cases {
+        for ((name, mut held), (_, mut want)) in
+            every_method(g, mode).into_iter().zip(every_method(g, mode))
+        {
+            held.allow_rewind(rewind);
+            for &(t, s) in prefix {
+                step(held.as_mut(), g, t, s);
+            }
+            let n = held.len() - back;
+            held.truncate(n).expect("truncate within the rewind");
+            assert_eq!(held.len(), n, "{name}");
+            // The fresh cache sees the same positions: the prefix cut at n.
+            let mut fed = 0;
+            for &(t, s) in prefix {
+                let mut rng = SplitMix::new(s);
+                let d = g.head_dim;
+                let k = (tensor(&mut rng, g.n_kv_heads, t, d) + 2.0).expect("shift");
+                let v = tensor(&mut rng, g.n_kv_heads, t, d);
+                let q = tensor(&mut rng, g.n_heads, t, d);
+                let take = t.min(n - fed);
+                if take == 0 {
+                    break;
+                }
+                want.append(
+                    &k.narrow(1, 0, take).expect("k"),
+                    &v.narrow(1, 0, take).expect("v"),
+                )
+                .expect("append");
+                want.attend(&q.narrow(1, 0, take).expect("q"), 0.125)
+                    .expect("attend");
+                fed += take;
+            }
+            for i in 0..12u64 {
+                let t = 1 + (i as usize % 2) * 7;
+                let a = step(held.as_mut(), g, t, 3000 + i);
+                let w = step(want.as_mut(), g, t, 3000 + i);
+                let dd = max_diff(&a, &w);
+                assert!(
+                    dd == 0.0,
+                    "{name}, back {back}: step {i} after the rewind: {dd}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn rewinds_continue_exactly_on_the_cpu_path() {
+    check_rewind(Mode::Rolling);
+}
+
+#[test]
+fn rewinds_continue_exactly_on_the_tensor_path() {
+    check_rewind(Mode::Tensor);
+}

@@ -32,6 +32,7 @@ pub(crate) mod testkit;
 
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
+pub use tiles::TILE_POSITIONS;
 pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};
 
 pub type Result<T> = std::result::Result<T, CacheError>;

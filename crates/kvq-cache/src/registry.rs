@@ -25,6 +25,10 @@ pub struct ResolvedCache {
     pub bits: u8,
     /// Builds the per-layer caches.
     pub factory: Arc<dyn CacheFactory>,
+    /// Names the configuration exactly (method or preset, bits, whether the request set the
+    /// bits): caches built under equal keys are interchangeable, so a held prefix is reused only
+    /// under its own key.
+    pub key: String,
 }
 
 impl std::fmt::Debug for ResolvedCache {
@@ -298,6 +302,7 @@ impl CacheRegistry {
         };
         Ok(ResolvedCache {
             factory: (entry.build)(&args)?,
+            key: format!("{name}/{bits}/{}", spec.bits.is_some()),
             name,
             bits,
         })

@@ -5,7 +5,7 @@
 
 /// Query positions per work item: with GQA group g an item scores `g * TILE_POSITIONS` rows per
 /// key it converts.
-pub(crate) const TILE_POSITIONS: usize = 16;
+pub const TILE_POSITIONS: usize = 16;
 
 /// One row's online-softmax state over the keys folded so far; the unnormalized output lives
 /// beside it in the item's accumulator.

@@ -92,6 +92,15 @@ pub trait KvCache: Send {
     fn reserve_bytes(&self, tokens: usize, chunk: usize) -> usize;
     /// Drops every position at or after `n`.
     fn truncate(&mut self, n: usize) -> Result<()>;
+    /// Whether [`KvCache::truncate`] to `n` would succeed (it errs where the rows a query at
+    /// position `n` reads are gone). The default knows only that not truncating succeeds.
+    fn can_truncate(&self, n: usize) -> bool {
+        n >= self.len()
+    }
+    /// From now on keep what a [`KvCache::truncate`] to any of the last `tokens` positions
+    /// needs (a compressed cache keeps that many more fp16 rows past its window, counted in
+    /// `resident_bytes` and `reserve_bytes`); caches that can always truncate ignore it.
+    fn allow_rewind(&mut self, _tokens: usize) {}
     /// The method name, as the registry knows it.
     fn method(&self) -> &str;
     /// An independent copy holding the same positions (its buffers copied on their device):
@@ -175,8 +184,23 @@ impl LayerCaches {
         })
     }
 
-    /// Truncates every layer to `n` positions.
+    /// [`KvCache::allow_rewind`] on every layer.
+    pub fn allow_rewind(&mut self, tokens: usize) {
+        self.layers.iter_mut().for_each(|l| l.allow_rewind(tokens));
+    }
+
+    /// Whether every layer can truncate to `n` ([`KvCache::can_truncate`]).
+    pub fn can_truncate(&self, n: usize) -> bool {
+        self.layers.iter().all(|l| l.can_truncate(n))
+    }
+
+    /// Truncates every layer to `n` positions, or none: a layer that cannot is found first.
     pub fn truncate(&mut self, n: usize) -> Result<()> {
+        if !self.can_truncate(n) {
+            return Err(crate::CacheError::Shape(format!(
+                "cannot truncate to {n} positions: a layer no longer holds the rows a query there reads"
+            )));
+        }
         self.layers.iter_mut().try_for_each(|l| l.truncate(n))
     }
 

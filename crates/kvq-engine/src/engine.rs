@@ -24,7 +24,14 @@ pub struct EngineConfig {
     /// sequence reserves its worst case, prompt plus max_tokens under its own method
     /// (`KvCache::reserve_bytes`), when admitted.
     pub kv_budget: Option<usize>,
+    /// Bytes the prefix cache may hold (`None`: off): ended sequences' caches, kept for
+    /// prompts that start with the same tokens under the same cache configuration, inside
+    /// the KV budget (evicted, least recently used first, before a request would wait).
+    pub prefix_cache: Option<usize>,
 }
+
+/// The prefix cache's default limit.
+pub const DEFAULT_PREFIX_CACHE: usize = 1 << 30;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -33,6 +40,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             prefill_chunk: 512,
             kv_budget: None,
+            prefix_cache: Some(DEFAULT_PREFIX_CACHE),
         }
     }
 }
@@ -52,6 +60,13 @@ pub struct EngineStats {
     pub admitted: u64,
     /// Requests refused since start: (the wait queue was full, they could never fit the budget).
     pub rejected: (u64, u64),
+    /// Prefixes the prefix cache holds, and their resident bytes (beside the running ones').
+    pub prefix_entries: usize,
+    pub prefix_bytes: usize,
+    /// Requests that continued from a held prefix or a running sequence since start, and the
+    /// prompt tokens they did not prefill.
+    pub prefix_hits: u64,
+    pub prefix_reused_tokens: u64,
 }
 
 impl EngineStats {
@@ -150,9 +165,14 @@ impl Engine {
     }
 
     /// The KV bytes a sequence of `tokens` positions under `cache` reserves: the sum over layers
-    /// of [`kvq_cache::KvCache::reserve_bytes`], prompt chunks of the engine's size.
+    /// of [`kvq_cache::KvCache::reserve_bytes`], prompt chunks of the engine's size (with the
+    /// prefix cache on, counting the fp16 rows a compressed cache keeps to be continued from).
     pub fn kv_need(&self, cache: &ResolvedCache, tokens: usize) -> Result<usize, EngineError> {
-        let caches = LayerCaches::new(cache.factory.as_ref(), &self.inner.geoms)?;
+        let mut caches = LayerCaches::new(cache.factory.as_ref(), &self.inner.geoms)?;
+        if self.inner.config.prefix_cache.is_some() {
+            // As the worker builds them: ready to be continued from a little before their end.
+            caches.allow_rewind(crate::prefix::REWIND);
+        }
         Ok(caches.reserve_bytes(tokens, self.inner.config.prefill_chunk.max(1)))
     }
 

@@ -4,13 +4,14 @@
 
 pub mod engine;
 pub mod error;
+mod prefix;
 mod release;
 pub mod request;
 pub mod sampling;
 pub mod stop;
 mod worker;
 
-pub use engine::{Engine, EngineConfig, EngineStats};
+pub use engine::{DEFAULT_PREFIX_CACHE, Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
 pub use request::{
     FinishReason, GenerationEvent, GenerationRequest, GenerationStream, LogprobInfo,

@@ -112,6 +112,9 @@ impl FinishReason {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Usage {
     pub prompt_tokens: usize,
+    /// Prompt tokens not prefilled: the request continued from a held prefix's caches
+    /// (OpenAI's `prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
     /// Tokens the model generated, the end-of-sequence token included.
     pub completion_tokens: usize,
     /// Resident bytes of this request's KV cache at its largest.

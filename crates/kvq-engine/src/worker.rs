@@ -1,8 +1,11 @@
 //! The worker thread: owns the model, admits queued requests, runs every running sequence's next
 //! step in one batched forward pass (continuous batching, chunked prefill), samples, detokenizes,
 //! matches stop strings, and drops a sequence (freeing its cache) as soon as its client is gone.
+//! A sequence that ends (or whose client left) leaves its caches in the prefix cache
+//! (`prefix.rs`), from which a later prompt with the same first tokens continues.
 
 use crate::engine::{EngineConfig, Shared};
+use crate::prefix::{self, MIN_REUSE, PrefixCache, REWIND};
 use crate::request::{
     FinishReason, GenerationEvent, GenerationRequest, LogprobInfo, TopLogprob, Usage,
 };
@@ -44,6 +47,11 @@ struct Seq {
     /// KV bytes reserved: its worst case, raised if a step finds it larger (a layer found
     /// sharp keeps its keys in fp16).
     reserved: usize,
+    /// Prompt positions it continued from instead of prefilling (a held prefix's).
+    cached: usize,
+    /// `Some(x)`: it continued from positions of which only the first `x` are what a fresh
+    /// prefill computes (a reply's decoded ones followed); `None`: all its prefill is.
+    exact_limit: Option<usize>,
 }
 
 impl Seq {
@@ -51,6 +59,41 @@ impl Seq {
     fn max_len(&self) -> usize {
         self.job.req.prompt.len() + self.job.max_tokens
     }
+
+    /// Positions of its caches a fresh prefill of a prompt starting with them computes the
+    /// same (see `prefix.rs`).
+    fn exact_upto(&self, chunk: usize) -> usize {
+        if let Some(x) = self.exact_limit {
+            return x;
+        }
+        let p = self.job.req.prompt.len();
+        match self.prefilled < p {
+            // Every chunk so far ended where a fresh prefill's does.
+            true => self.prefilled,
+            false => prefix::exact_prefix(p, chunk),
+        }
+    }
+
+    /// The token ids of the positions its caches hold: the prompt's, then the generated ones
+    /// fed back (the last sampled token is not in the caches yet).
+    fn held_tokens(&self) -> Vec<u32> {
+        let (n, prompt) = (self.caches.len(), &self.job.req.prompt);
+        let mut t = prompt[..n.min(prompt.len())].to_vec();
+        let fed = n.saturating_sub(prompt.len()).min(self.generated.len());
+        t.extend_from_slice(&self.generated[..fed]);
+        t
+    }
+}
+
+/// What becomes of a sequence after a step.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// It runs on.
+    Runs,
+    /// It ended normally: its caches may serve a later prompt.
+    Ended,
+    /// It failed: its caches are dropped.
+    Failed,
 }
 
 pub(crate) struct Worker {
@@ -62,6 +105,8 @@ pub(crate) struct Worker {
     waiting: VecDeque<Job>,
     running: Vec<Seq>,
     admitted: u64,
+    /// Ended sequences' caches (`None`: the prefix cache is off).
+    prefixes: Option<PrefixCache>,
 }
 
 impl Worker {
@@ -75,6 +120,7 @@ impl Worker {
         Self {
             model,
             tokenizer,
+            prefixes: config.prefix_cache.map(PrefixCache::new),
             config,
             shared,
             jobs,
@@ -98,8 +144,17 @@ impl Worker {
                 self.waiting.push_back(job);
             }
             self.admit();
-            // A client that went away stops its generation; its caches are dropped here.
-            self.running.retain(|s| !s.job.events.is_closed());
+            // A client that went away stops its generation; its caches go to the prefix cache
+            // (it may send the same conversation again) or are dropped.
+            let gone: Vec<After> = self
+                .running
+                .iter()
+                .map(|s| match s.job.events.is_closed() {
+                    true => After::Ended,
+                    false => After::Runs,
+                })
+                .collect();
+            self.retire(&gone);
             if !self.running.is_empty() {
                 self.step();
             }
@@ -110,6 +165,108 @@ impl Worker {
     /// Bytes the running sequences have reserved.
     fn reserved(&self) -> usize {
         self.running.iter().map(|s| s.reserved).sum()
+    }
+
+    /// Evicts held prefixes until they fit beside the running sequences' reservations (and
+    /// `also` more bytes) in the KV budget.
+    fn fit_held(&mut self, also: usize) {
+        let room = match self.config.kv_budget {
+            Some(b) => b.saturating_sub(self.reserved() + also),
+            None => usize::MAX,
+        };
+        if let Some(p) = &mut self.prefixes {
+            p.evict_to(room);
+        }
+    }
+
+    /// Removes the sequences whose entry in `after` is not `Runs`, keeping the caches of those
+    /// that ended in the prefix cache.
+    fn retire(&mut self, after: &[After]) {
+        if after.iter().all(|a| *a == After::Runs) {
+            return;
+        }
+        let chunk = self.config.prefill_chunk.max(1);
+        let mut ended = Vec::new();
+        for (s, a) in std::mem::take(&mut self.running).into_iter().zip(after) {
+            match a {
+                After::Runs => self.running.push(s),
+                After::Failed => {}
+                After::Ended => {
+                    let (tokens, exact) = (s.held_tokens(), s.exact_upto(chunk));
+                    let prefilled = s.prefilled.min(tokens.len());
+                    ended.push((
+                        s.job.req.cache.key.clone(),
+                        tokens,
+                        (prefilled, exact),
+                        s.caches,
+                    ));
+                }
+            }
+        }
+        if let Some(p) = &mut self.prefixes {
+            for (key, tokens, exact, caches) in ended {
+                p.insert(key, tokens, exact, caches);
+            }
+        }
+        self.fit_held(0);
+    }
+
+    /// The caches a job starts from, how many of its prompt positions they hold, and its
+    /// `exact_limit`: the longest usable prefix among the held ones and the running sequences'
+    /// under its cache key (planned by `prefix::plan`), else fresh caches.
+    fn start_caches(
+        &mut self,
+        job: &Job,
+    ) -> kvq_models::Result<(LayerCaches, usize, Option<usize>)> {
+        let chunk = self.config.prefill_chunk.max(1);
+        let Some(prefixes) = &mut self.prefixes else {
+            return Ok((
+                self.model.new_caches(job.req.cache.factory.as_ref())?,
+                0,
+                None,
+            ));
+        };
+        let (key, prompt) = (&job.req.cache.key, &job.req.prompt);
+        let held = prefixes.best(key, prompt, chunk);
+        let running = self
+            .running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| &s.job.req.cache.key == key)
+            .map(|(i, s)| {
+                let tokens = s.held_tokens();
+                let held = prefix::Held {
+                    tokens: &tokens,
+                    prefilled: s.prefilled.min(tokens.len()),
+                    exact: s.exact_upto(chunk),
+                    caches: &s.caches,
+                };
+                (i, prefix::plan(&held, prompt, chunk))
+            })
+            .filter(|&(_, (n, _))| n >= MIN_REUSE)
+            .max_by_key(|&(_, (n, _))| n);
+        let mut found = None;
+        if let Some((i, (n, exact))) = running.filter(|&(_, (n, _))| held.is_none_or(|h| n > h.n)) {
+            found = self.running[i]
+                .caches
+                .fork()
+                .ok()
+                .and_then(|c| prefix::continue_from(c, n))
+                .map(|c| (c, n, exact));
+        }
+        if found.is_none()
+            && let Some(m) = held
+        {
+            found = prefixes.take(m).map(|c| (c, m.n, m.exact));
+        }
+        let Some((mut caches, n, exact)) = found else {
+            let mut caches = self.model.new_caches(job.req.cache.factory.as_ref())?;
+            caches.allow_rewind(REWIND);
+            return Ok((caches, 0, None));
+        };
+        prefixes.count_hit(n);
+        caches.allow_rewind(REWIND);
+        Ok((caches, n, (exact < n).then_some(exact)))
     }
 
     /// Admits waiting requests in order while they fit: under `max_running`, and their KV
@@ -127,6 +284,7 @@ impl Worker {
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
+            // Held prefixes never make a request wait: they are evicted for it below.
             if let Some(budget) = self.config.kv_budget
                 && !self.running.is_empty()
                 && self.reserved() + job.kv_need > budget
@@ -137,8 +295,8 @@ impl Worker {
                 break;
             };
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            match self.model.new_caches(job.req.cache.factory.as_ref()) {
-                Ok(caches) => {
+            match self.start_caches(&job) {
+                Ok((caches, cached, exact_limit)) => {
                     let total = job.req.prompt.len() + job.max_tokens;
                     let job_need = job
                         .kv_need
@@ -149,7 +307,7 @@ impl Worker {
                     self.running.push(Seq {
                         job,
                         caches,
-                        prefilled: 0,
+                        prefilled: cached,
                         generated: Vec::new(),
                         sampler,
                         decoder,
@@ -157,8 +315,11 @@ impl Worker {
                         first_token: None,
                         peak_kv: 0,
                         reserved: job_need,
+                        cached,
+                        exact_limit,
                     });
                     self.admitted += 1;
+                    self.fit_held(0);
                 }
                 Err(e) => {
                     let _ = job.events.send(GenerationEvent::Error(engine_error(e)));
@@ -174,7 +335,8 @@ impl Worker {
         for s in &self.running {
             let prompt = &s.job.req.prompt;
             if s.prefilled < prompt.len() {
-                let end = (s.prefilled + chunk).min(prompt.len());
+                // Where a fresh prefill's chunk ends, also after a reused prefix.
+                let end = prefix::chunk_end(s.prefilled, prompt.len(), chunk);
                 inputs.push(prompt[s.prefilled..end].to_vec());
             } else {
                 // Decoding: feed the last sampled token.
@@ -213,7 +375,7 @@ impl Worker {
                 return self.fail_all(msg);
             }
         };
-        let mut finished = vec![false; self.running.len()];
+        let mut after = vec![After::Runs; self.running.len()];
         for (i, (seq, (input, logit))) in self
             .running
             .iter_mut()
@@ -225,7 +387,7 @@ impl Worker {
                 Err(e) => {
                     tracing::warn!("sequence failed: {e}");
                     let _ = seq.job.events.send(GenerationEvent::Error(engine_error(e)));
-                    finished[i] = true;
+                    after[i] = After::Failed;
                     continue;
                 }
             };
@@ -251,17 +413,15 @@ impl Worker {
                         .job
                         .events
                         .send(GenerationEvent::Error(EngineError::Internal(e.to_string())));
-                    finished[i] = true;
+                    after[i] = After::Failed;
                     continue;
                 }
             };
-            finished[i] = emit_token(seq, row, &self.tokenizer);
+            after[i] = emit_token(seq, row, &self.tokenizer);
         }
-        let mut i = 0;
-        self.running.retain(|_| {
-            i += 1;
-            !finished[i - 1]
-        });
+        self.retire(&after);
+        // Reservations may have grown: held prefixes give way.
+        self.fit_held(0);
     }
 
     fn fail_all(&mut self, msg: String) {
@@ -280,6 +440,12 @@ impl Worker {
             admitted: self.admitted,
             ..EngineStats::default()
         };
+        if let Some(p) = &self.prefixes {
+            st.prefix_entries = p.len();
+            st.prefix_bytes = p.bytes();
+            st.prefix_hits = p.hits;
+            st.prefix_reused_tokens = p.reused_tokens;
+        }
         for s in &self.running {
             let method = s.caches.method().to_string();
             *st.kv_reserved_by_method.entry(method.clone()).or_default() += s.reserved;
@@ -299,8 +465,8 @@ fn engine_error(e: ModelError) -> EngineError {
     }
 }
 
-/// Samples the next token of `seq` from `logits`, sends its text, and says whether it finished.
-fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> bool {
+/// Samples the next token of `seq` from `logits`, sends its text, and says whether it runs on.
+fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> After {
     let req = &seq.job.req;
     let lp = req.logprobs.map(|top| {
         // Logprobs of the model's own distribution, before penalties and temperature.
@@ -340,7 +506,7 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> bool {
                     .job
                     .events
                     .send(GenerationEvent::Error(EngineError::Internal(e.to_string())));
-                return true;
+                return After::Failed;
             }
         }
     };
@@ -360,11 +526,12 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> bool {
         logprob,
     });
     if !(stopped || at_limit) {
-        return false;
+        return After::Runs;
     }
     let first = seq.first_token.unwrap_or(now);
     let usage = Usage {
         prompt_tokens: req.prompt.len(),
+        cached_tokens: seq.cached,
         completion_tokens: seq.generated.len(),
         kv_cache_bytes: seq.peak_kv.max(seq.caches.resident_bytes()),
         kv_cache_method: req.cache.name.clone(),
@@ -380,5 +547,5 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> bool {
         .job
         .events
         .send(GenerationEvent::Finished { reason, usage });
-    true
+    After::Ended
 }

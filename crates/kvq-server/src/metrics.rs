@@ -21,6 +21,10 @@ pub const KV_BUDGET_BYTES: &str = "kvq_kv_budget_bytes";
 pub const KV_RESERVED_BYTES: &str = "kvq_kv_reserved_bytes";
 pub const REQUESTS_ADMITTED: &str = "kvq_requests_admitted_total";
 pub const REQUESTS_REJECTED: &str = "kvq_requests_rejected_total";
+pub const PREFIX_CACHE_ENTRIES: &str = "kvq_prefix_cache_entries";
+pub const PREFIX_CACHE_BYTES: &str = "kvq_prefix_cache_bytes";
+pub const PREFIX_CACHE_HITS: &str = "kvq_prefix_cache_hits_total";
+pub const PREFIX_CACHED_TOKENS: &str = "kvq_prefix_cached_tokens_total";
 
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -98,6 +102,23 @@ fn describe() {
         REQUESTS_REJECTED,
         "Requests refused: reason queue_full (429) or kv_budget (400)"
     );
+    metrics::describe_gauge!(
+        PREFIX_CACHE_ENTRIES,
+        "Ended sequences' caches held for prompts that start with their tokens"
+    );
+    metrics::describe_gauge!(
+        PREFIX_CACHE_BYTES,
+        metrics::Unit::Bytes,
+        "Resident bytes of the held prefixes (inside the KV budget, beside the reservations)"
+    );
+    metrics::describe_counter!(
+        PREFIX_CACHE_HITS,
+        "Requests that continued from a held prefix or a running sequence"
+    );
+    metrics::describe_counter!(
+        PREFIX_CACHED_TOKENS,
+        "Prompt tokens not prefilled because a prefix was reused"
+    );
 }
 
 /// Middleware counting every response in `kvq_requests_total{endpoint,status}`. Unmatched
@@ -156,4 +177,8 @@ pub fn set_engine_gauges(stats: &EngineStats, methods: &[String]) {
     metrics::counter!(REQUESTS_ADMITTED).absolute(stats.admitted);
     metrics::counter!(REQUESTS_REJECTED, "reason" => "queue_full").absolute(stats.rejected.0);
     metrics::counter!(REQUESTS_REJECTED, "reason" => "kv_budget").absolute(stats.rejected.1);
+    metrics::gauge!(PREFIX_CACHE_ENTRIES).set(stats.prefix_entries as f64);
+    metrics::gauge!(PREFIX_CACHE_BYTES).set(stats.prefix_bytes as f64);
+    metrics::counter!(PREFIX_CACHE_HITS).absolute(stats.prefix_hits);
+    metrics::counter!(PREFIX_CACHED_TOKENS).absolute(stats.prefix_reused_tokens);
 }

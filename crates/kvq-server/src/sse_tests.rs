@@ -25,6 +25,7 @@ fn delta(text: &str) -> GenerationEvent {
 fn usage(completion: usize) -> Usage {
     Usage {
         prompt_tokens: 5,
+        cached_tokens: 0,
         completion_tokens: completion,
         kv_cache_bytes: 1000,
         kv_cache_method: "fp16".into(),
@@ -104,7 +105,7 @@ fn chat_sequence_with_usage() {
     assert_eq!(out[3]["choices"], json!([]));
     assert_eq!(
         out[3]["usage"],
-        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "kv_cache_bytes": 1000})
+        json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}, "kv_cache_bytes": 1000})
     );
     assert_eq!(out[4], "[DONE]");
 }

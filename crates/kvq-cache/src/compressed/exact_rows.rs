@@ -84,6 +84,9 @@ pub(super) struct ExactRows {
     /// kv heads and head dimension.
     heads: usize,
     d: usize,
+    /// Recent rows kept beyond what the window needs, so a truncation that far back still
+    /// finds its rows (`KvCache::allow_rewind`).
+    rewind: usize,
 }
 
 impl ExactRows {
@@ -98,7 +101,18 @@ impl ExactRows {
             sinks,
             heads,
             d,
+            rewind: 0,
         }
+    }
+
+    /// Keeps `tokens` more recent rows than the window needs from the next trim on.
+    pub(super) fn set_rewind(&mut self, tokens: usize) {
+        self.rewind = tokens;
+    }
+
+    /// Recent rows kept beyond the window's.
+    pub(super) fn rewind(&self) -> usize {
+        self.rewind
     }
 
     /// Recent positions a query reads from fp16.
@@ -215,16 +229,18 @@ impl ExactRows {
     }
 
     /// Drops the window rows no future query can need once the cache holds `len` positions:
-    /// all but the last `window - 1` (a later query sits at `len` or past it). The caller
-    /// skips this while every row must stay (`KeyCenter::holds_rows`).
+    /// all but the last `window - 1` (a later query sits at `len` or past it), plus the
+    /// `rewind` rows a truncation may still need. The caller skips this while every row must
+    /// stay (`KeyCenter::holds_rows`).
     pub(super) fn trim(&mut self, len: usize) -> Result<()> {
         let d = self.d;
-        let keep_from = len.saturating_sub(self.window - 1);
+        let keep_from = len.saturating_sub(self.window - 1 + self.rewind);
         if keep_from <= self.recent_k.first {
             return Ok(());
         }
+        let room = self.window + 1 + self.rewind;
         if self.recent_k.dev.is_some() {
-            let keep = self.window + 1;
+            let keep = room;
             for rows in [&mut self.recent_k, &mut self.recent_v] {
                 rows.first = keep_from;
                 if let Some(buf) = &mut rows.dev {
@@ -238,8 +254,8 @@ impl ExactRows {
             for r in rows.rows.iter_mut() {
                 r.drain(..drop.min(r.len()));
                 // After a long prompt chunk, give the memory back: keep room for the window.
-                if r.capacity() > (self.window + 1) * d * 5 / 4 {
-                    r.shrink_to((self.window + 1) * d);
+                if r.capacity() > room * d * 5 / 4 {
+                    r.shrink_to(room * d);
                 }
             }
             rows.first = keep_from;

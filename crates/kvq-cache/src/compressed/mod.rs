@@ -303,7 +303,7 @@ impl KvCache for CompressedCache {
         // After an attend the window rows are all there while the center and the sharpness
         // are pending (up to position `sinks + CENTER_ROWS`), else the window's.
         let pending = self.exact.sinks() + CENTER_ROWS + 1;
-        let recent = tokens.min(self.exact.window().max(pending) + 2);
+        let recent = tokens.min(self.exact.window().max(pending) + 2 + self.exact.rewind());
         // Code rows: every position, or under a rolling sliding window its span and a chunk.
         let (codes, rolling) = match (self.geom.sliding_window, self.roll) {
             (Some(w), true) if w + chunk < tokens => (w + chunk, true),
@@ -329,6 +329,18 @@ impl KvCache for CompressedCache {
         self.len = n;
         self.center.truncate(n, self.exact.first());
         Ok(())
+    }
+
+    fn can_truncate(&self, n: usize) -> bool {
+        if n >= self.len {
+            return true;
+        }
+        let (_, c0, c1) = self.params(0, 1.0).ranges(n);
+        self.exact.check_truncate(n).is_ok() && !(c1 > c0 && c0 < self.codes.first())
+    }
+
+    fn allow_rewind(&mut self, tokens: usize) {
+        self.exact.set_rewind(tokens);
     }
 
     fn method(&self) -> &str {

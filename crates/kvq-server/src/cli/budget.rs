@@ -142,9 +142,32 @@ fn parse_meminfo(text: &str) -> Option<usize> {
     kb.checked_mul(1024)
 }
 
+/// A parsed `--prefix-cache`: `Some(bytes)`, or `None` for off (`off`, `none`, `0`).
+pub fn parse_prefix_cache(s: &str) -> Result<Option<usize>, String> {
+    let t = s.trim().to_ascii_lowercase();
+    if matches!(t.as_str(), "off" | "none" | "0" | "no" | "false") {
+        return Ok(None);
+    }
+    match t.parse::<KvBudget>() {
+        Ok(KvBudget::Bytes(b)) => Ok(Some(b)),
+        _ => Err(format!(
+            "'{s}' is not a prefix cache size: give bytes (2GiB, 512MiB, 1000000000) or off"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_prefix_cache_sizes() {
+        assert_eq!(parse_prefix_cache("512MiB"), Ok(Some(512 << 20)));
+        assert_eq!(parse_prefix_cache("off"), Ok(None));
+        assert_eq!(parse_prefix_cache("0"), Ok(None));
+        assert!(parse_prefix_cache("50%").is_err());
+        assert!(parse_prefix_cache("lots").is_err());
+    }
 
     #[test]
     fn parses_bytes_shares_and_none() {

@@ -47,6 +47,14 @@ pub struct ServeArgs {
     /// methods that would [default: 60%].
     #[arg(long)]
     pub kv_budget: Option<super::budget::KvBudget>,
+    /// Bytes the prefix cache may hold (2GiB, 512MiB) or off: ended requests' KV caches,
+    /// compressed ones as their codes, from which a later prompt that starts with the same
+    /// tokens under the same cache method continues (a chat's next turn prefills only the new
+    /// messages; `usage.prompt_tokens_details.cached_tokens` says how many were reused). They
+    /// live inside --kv-budget and are evicted, least recently used first, before a request
+    /// would wait [default: 1GiB, at most the KV budget].
+    #[arg(long, value_parser = super::budget::parse_prefix_cache)]
+    pub prefix_cache: Option<Option<usize>>,
     /// Largest request body accepted, in bytes (413 past it) [default: 4194304].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -100,6 +108,7 @@ struct FileConfig {
     max_running: Option<usize>,
     max_waiting: Option<usize>,
     kv_budget: Option<String>,
+    prefix_cache: Option<String>,
     max_body_bytes: Option<usize>,
     max_n: Option<usize>,
     default_kv_cache_method: Option<String>,
@@ -124,6 +133,8 @@ struct Settings {
     max_waiting: usize,
     /// The budget and whether it was given (a default that cannot be measured is dropped).
     kv_budget: (super::budget::KvBudget, bool),
+    /// Bytes the prefix cache may hold (`None`: off).
+    prefix_cache: Option<usize>,
     max_body_bytes: usize,
     max_n: usize,
     default_method: Option<String>,
@@ -174,6 +185,12 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
                 true,
             ),
             (None, None) => (super::budget::DEFAULT, false),
+        },
+        prefix_cache: match (args.prefix_cache, file.prefix_cache) {
+            (Some(p), _) => p,
+            (None, Some(p)) => super::budget::parse_prefix_cache(&p)
+                .map_err(|e| anyhow::anyhow!("prefix_cache in the config file: {e}"))?,
+            (None, None) => engine.prefix_cache,
         },
         max_body_bytes: args
             .max_body_bytes
@@ -254,10 +271,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         Err(e) => return Err(e),
     };
+    match args.prefix_cache {
+        Some(b) => eprintln!(
+            "kvq prefix cache: up to {} of ended requests' caches, inside the KV budget (--prefix-cache)",
+            kvq_engine::error::human_bytes(b)
+        ),
+        None => eprintln!("kvq prefix cache: off (--prefix-cache)"),
+    }
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
         kv_budget,
+        prefix_cache: args.prefix_cache,
         ..EngineConfig::default()
     };
     let engine = Engine::start(model, config);
@@ -318,6 +343,7 @@ mod tests {
             max_running: None,
             max_waiting: None,
             kv_budget: None,
+            prefix_cache: None,
             max_body_bytes: None,
             max_n: None,
             default_kv_cache_method: None,

@@ -15,8 +15,17 @@ pub struct UsageOut {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// OpenAI's breakdown of the prompt tokens: how many came from a held prefix.
+    pub prompt_tokens_details: PromptTokensDetails,
     /// Resident bytes of the request's KV cache at its largest.
     pub kv_cache_bytes: usize,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens not prefilled: the request continued from a held prefix's caches.
+    pub cached_tokens: usize,
 }
 
 impl From<&Usage> for UsageOut {
@@ -25,6 +34,9 @@ impl From<&Usage> for UsageOut {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
             kv_cache_bytes: u.kv_cache_bytes,
         }
     }
@@ -34,6 +46,9 @@ impl UsageOut {
     /// Adds another choice's counts (for `n > 1`): prompt tokens are counted once.
     pub fn add_choice(&mut self, other: &UsageOut) {
         self.completion_tokens += other.completion_tokens;
+        // Cached: what every choice's prompt was served from.
+        let cached = &mut self.prompt_tokens_details.cached_tokens;
+        *cached = (*cached).min(other.prompt_tokens_details.cached_tokens);
         self.total_tokens = self.prompt_tokens + self.completion_tokens;
         self.kv_cache_bytes += other.kv_cache_bytes;
     }

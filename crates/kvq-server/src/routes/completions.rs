@@ -151,6 +151,7 @@ pub fn text_completion(
             prompt_tokens: 0,
             completion_tokens: 0,
             total_tokens: 0,
+            prompt_tokens_details: Default::default(),
             kv_cache_bytes: 0,
         }))),
     }

@@ -396,22 +396,25 @@ impl<E: Element> KvCache for DenseCache<E> {
         blocks * 2 * self.block_elems() * std::mem::size_of::<E>()
     }
 
+    fn can_truncate(&self, n: usize) -> bool {
+        if n >= self.len {
+            return true;
+        }
+        // A query at position n reads from its window start on: those blocks must still be here.
+        let needed = window_start(n, self.geom.sliding_window);
+        !(self.dev.as_ref().is_some_and(|d| d.first() > needed)
+            || self
+                .blocks
+                .get(needed / BLOCK_TOKENS)
+                .is_some_and(Option::is_none))
+    }
+
     fn truncate(&mut self, n: usize) -> Result<()> {
         if n >= self.len {
             return Ok(());
         }
-        // A query at position n reads from its window start on: those blocks must still be here.
-        let needed = window_start(n, self.geom.sliding_window);
-        if self.dev.as_ref().is_some_and(|d| d.first() > needed) {
-            return Err(crate::CacheError::Shape(format!(
-                "cannot truncate to {n}: the rows from position {needed} left the sliding window"
-            )));
-        }
-        if self
-            .blocks
-            .get(needed / BLOCK_TOKENS)
-            .is_some_and(Option::is_none)
-        {
+        if !self.can_truncate(n) {
+            let needed = window_start(n, self.geom.sliding_window);
             return Err(crate::CacheError::Shape(format!(
                 "cannot truncate to {n}: the rows from position {needed} left the sliding window"
             )));
