@@ -142,7 +142,19 @@ fn parse_meminfo(text: &str) -> Option<usize> {
     kb.checked_mul(1024)
 }
 
-/// A parsed `--prefix-cache`: `Some(bytes)`, or `None` for off (`off`, `none`, `0`).
+/// A parsed `--prefix-cache`: `Some(bytes)`, or `None` for off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixCacheSize(pub Option<usize>);
+
+impl std::str::FromStr for PrefixCacheSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_prefix_cache(s).map(Self)
+    }
+}
+
+/// A `--prefix-cache` value: `Some(bytes)`, or `None` for off (`off`, `none`, `0`).
 pub fn parse_prefix_cache(s: &str) -> Result<Option<usize>, String> {
     let t = s.trim().to_ascii_lowercase();
     if matches!(t.as_str(), "off" | "none" | "0" | "no" | "false") {

@@ -53,8 +53,8 @@ pub struct ServeArgs {
     /// messages; `usage.prompt_tokens_details.cached_tokens` says how many were reused). They
     /// live inside --kv-budget and are evicted, least recently used first, before a request
     /// would wait [default: 1GiB, at most the KV budget].
-    #[arg(long, value_parser = super::budget::parse_prefix_cache)]
-    pub prefix_cache: Option<Option<usize>>,
+    #[arg(long)]
+    pub prefix_cache: Option<super::budget::PrefixCacheSize>,
     /// Largest request body accepted, in bytes (413 past it) [default: 4194304].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -187,7 +187,7 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             (None, None) => (super::budget::DEFAULT, false),
         },
         prefix_cache: match (args.prefix_cache, file.prefix_cache) {
-            (Some(p), _) => p,
+            (Some(p), _) => p.0,
             (None, Some(p)) => super::budget::parse_prefix_cache(&p)
                 .map_err(|e| anyhow::anyhow!("prefix_cache in the config file: {e}"))?,
             (None, None) => engine.prefix_cache,
@@ -332,6 +332,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_cache_flag_parses() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        use clap::Parser;
+        for (arg, want) in [("512MiB", Some(512 << 20)), ("off", None)] {
+            let cli = Cli::try_parse_from(["kvq", "--prefix-cache", arg]).expect("parses");
+            let s = settings(cli.serve).expect("settings");
+            assert_eq!(s.prefix_cache, want, "{arg}");
+        }
+        assert!(Cli::try_parse_from(["kvq", "--prefix-cache", "lots"]).is_err());
+        let s = settings(Cli::try_parse_from(["kvq"]).expect("parses").serve).expect("settings");
+        assert_eq!(s.prefix_cache, EngineConfig::default().prefix_cache);
+    }
 
     fn args(config: Option<PathBuf>, port: Option<u16>) -> ServeArgs {
         ServeArgs {
