@@ -131,7 +131,7 @@ pub(crate) fn plan(held: &Held<'_>, prompt: &[u32], chunk: usize) -> (usize, usi
     let m = reusable(held.tokens, prompt);
     if m <= held.exact + EXACT_SLACK {
         let n = exact_start(m.min(held.exact), prompt.len(), chunk);
-        if held.caches.can_truncate(n) {
+        if n >= MIN_REUSE && held.caches.can_truncate(n) {
             return (n, n);
         }
     }
@@ -365,6 +365,8 @@ mod tests {
         assert_eq!(plan(&h(200, 192), &prompt, 512), (300, 192));
         assert_eq!(plan(&h(240, 240), &prompt, 512), (240, 240), "60 given up");
         assert_eq!(plan(&h(300, 300), &prompt, 512), (256, 256));
+        // A short prompt (a q8 chunk, nothing exact) and its reply: the reply continues.
+        assert_eq!(plan(&h(28, 0), &prompt, 512), (300, 0));
         assert_eq!(chunk_end(0, 2000, 512), 512);
         assert_eq!(chunk_end(700, 2000, 512), 1024);
         assert_eq!(chunk_end(1900, 2000, 512), 2000);
