@@ -2,7 +2,8 @@
 //! requests, at least seven turboquant-mse-3bit requests of the same size run at once, reserved
 //! bytes never exceed the budget and resident bytes never exceed reserved; a request that can
 //! never fit is a 400 naming what it needs, the budget and the presets that would fit; past the
-//! wait queue a request gets 429 with Retry-After; /metrics shows all of it.
+//! wait queue a request gets 429 with Retry-After; /metrics shows all of it. Held prefixes (the
+//! ended requests' caches) never take the reservations past the budget.
 
 use kvq_cache::{CacheRegistry, CacheSpec, ResolvedCache};
 use kvq_engine::{
@@ -75,6 +76,13 @@ fn run_all(engine: &Engine, reg: &CacheRegistry, method: &str, n: u32, budget: u
             st.kv_reserved() <= budget,
             "reserved {} > budget {budget}",
             st.kv_reserved()
+        );
+        // Held prefixes (ended requests' caches) give way to the reservations.
+        assert!(
+            st.kv_reserved() + st.prefix_bytes <= budget,
+            "reserved {} + held prefixes {} > budget {budget}",
+            st.kv_reserved(),
+            st.prefix_bytes
         );
         for (m, resident) in &st.kv_bytes_by_method {
             let reserved = st.kv_reserved_by_method.get(m).copied().unwrap_or(0);
@@ -157,6 +165,8 @@ fn a_budget_for_two_fp16_requests_runs_seven_compressed_ones() {
     assert_eq!(most, 2, "fp16 requests running at once");
     let st = engine.stats();
     assert_eq!(st.admitted, 10);
+    // The ended requests' caches stay held, as many as the budget takes.
+    assert!(st.prefix_entries > 0 && st.prefix_bytes <= budget, "{st:?}");
     eprintln!(
         "budget {budget} B: fp16 reserves {fp16} B per request, turboquant-mse-3bit {mse3} B ({:.1}x)",
         fp16 as f64 / mse3 as f64
