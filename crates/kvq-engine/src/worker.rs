@@ -167,11 +167,11 @@ impl Worker {
         self.running.iter().map(|s| s.reserved).sum()
     }
 
-    /// Evicts held prefixes until they fit beside the running sequences' reservations (and
-    /// `also` more bytes) in the KV budget.
-    fn fit_held(&mut self, also: usize) {
+    /// Evicts held prefixes until they fit beside the running sequences' reservations in the
+    /// KV budget.
+    fn fit_held(&mut self) {
         let room = match self.config.kv_budget {
-            Some(b) => b.saturating_sub(self.reserved() + also),
+            Some(b) => b.saturating_sub(self.reserved()),
             None => usize::MAX,
         };
         if let Some(p) = &mut self.prefixes {
@@ -208,7 +208,7 @@ impl Worker {
                 p.insert(key, tokens, exact, caches);
             }
         }
-        self.fit_held(0);
+        self.fit_held();
     }
 
     /// The caches a job starts from, how many of its prompt positions they hold, and its
@@ -319,7 +319,7 @@ impl Worker {
                         exact_limit,
                     });
                     self.admitted += 1;
-                    self.fit_held(0);
+                    self.fit_held();
                 }
                 Err(e) => {
                     let _ = job.events.send(GenerationEvent::Error(engine_error(e)));
@@ -421,7 +421,7 @@ impl Worker {
         }
         self.retire(&after);
         // Reservations may have grown: held prefixes give way.
-        self.fit_held(0);
+        self.fit_held();
     }
 
     fn fail_all(&mut self, msg: String) {
