@@ -23,6 +23,9 @@ pub enum CacheError {
     /// unreadable).
     #[error("calibration: {0}")]
     Calibration(String),
+    /// A saved cache state could not be made or does not fit the cache it is restored into.
+    #[error("saved cache state: {0}")]
+    State(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

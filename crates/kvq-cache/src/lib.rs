@@ -12,6 +12,7 @@ pub mod methods;
 pub mod params;
 pub mod registry;
 pub mod rowbuf;
+pub mod state;
 mod tiles;
 pub mod traits;
 
@@ -28,11 +29,17 @@ mod tensor_path_tests;
 mod fork_tests;
 
 #[cfg(test)]
+mod state_tests;
+
+#[cfg(test)]
+mod state_error_tests;
+
+#[cfg(test)]
 pub(crate) mod testkit;
 
 pub use error::CacheError;
 pub use registry::{CacheRegistry, CacheSpec, ResolvedCache};
 pub use tiles::TILE_POSITIONS;
-pub use traits::{CacheFactory, CacheGeometry, KvCache, LayerCaches};
+pub use traits::{CacheFactory, CacheGeometry, CacheState, KvCache, LayerCaches};
 
 pub type Result<T> = std::result::Result<T, CacheError>;

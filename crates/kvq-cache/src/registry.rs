@@ -302,11 +302,27 @@ impl CacheRegistry {
         };
         Ok(ResolvedCache {
             factory: (entry.build)(&args)?,
-            key: format!("{name}/{bits}/{}", spec.bits.is_some()),
+            key: format!(
+                "{name}/{bits}/{}/{:016x}",
+                spec.bits.is_some(),
+                params_fingerprint(entry.base, entry.preset_bits, &entry.params)
+            ),
             name,
             bits,
         })
     }
+}
+
+/// FNV-1a over a preset's method, bits and parameters (as TOML text, keys in order): a prefix
+/// saved under one preset file is never restored after the file changed.
+fn params_fingerprint(base: &str, preset_bits: Option<u8>, params: &toml::Table) -> u64 {
+    let text = format!(
+        "{base};{preset_bits:?};{}",
+        toml::to_string(params).unwrap_or_default()
+    );
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 //! the buffer is next reallocated, so it stops growing at the window.
 
 use crate::Result;
-use candle_core::{DType, Tensor};
+use crate::state::{StateReader, put_rows};
+use crate::traits::CacheState;
+use candle_core::{DType, Device, Tensor};
 
 /// Positions by which code rows grow (so `resident_bytes` stays close to the promised size).
 pub const GROW_TOKENS: usize = 256;
@@ -137,5 +139,41 @@ impl RowBuf {
     /// Bytes allocated.
     pub fn bytes(&self) -> usize {
         self.heads * self.cap * self.width * self.dtype.size_in_bytes()
+    }
+
+    /// Writes the rows of positions `first..end` (`end` at most the positions written), the
+    /// capacity and `first` into `state` as `p` (`crate::state::put_rows`).
+    pub fn save(&self, state: &mut CacheState, p: &str, end: usize) -> Result<()> {
+        put_rows(state, p, self.view(end)?, self.first, self.cap)
+    }
+
+    /// A buffer like this (empty) one holding the rows `p` of positions up to `end` that
+    /// [`Self::save`] wrote, on `dev`, with the saved capacity (`limit` bounds it and `first`;
+    /// `required`: see [`StateReader::rows`]). A fresh buffer: the state's tensors are copied.
+    pub fn restore(
+        &self,
+        reader: &mut StateReader<'_>,
+        p: &str,
+        (end, limit, required): (usize, usize, bool),
+        dev: &Device,
+    ) -> Result<Self> {
+        let shape = (self.heads, self.width, self.dtype);
+        let saved = reader.rows(p, shape, end, limit, required)?;
+        let buf = match saved.cap {
+            0 => None,
+            cap => {
+                let fresh = Tensor::zeros((self.heads, cap, self.width), self.dtype, dev)?;
+                if let Some(rows) = saved.rows {
+                    fresh.slice_set(&rows.to_device(dev)?.contiguous()?, 1, 0)?;
+                }
+                Some(fresh)
+            }
+        };
+        Ok(Self {
+            buf,
+            cap: saved.cap,
+            first: saved.from,
+            ..*self
+        })
     }
 }

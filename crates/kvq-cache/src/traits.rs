@@ -1,7 +1,11 @@
 //! The cache boundary: `KvCache` (one layer of one sequence) and `CacheFactory` (builds them).
 
 use crate::{CacheError, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+
+/// A cache's saved state: named tensors on the host (`KvCache::save_state`).
+pub type CacheState = HashMap<String, Tensor>;
 
 /// The attention geometry of one layer, as the model sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +110,27 @@ pub trait KvCache: Send {
     /// An independent copy holding the same positions (its buffers copied on their device):
     /// a sequence that continues from this one's prefix.
     fn fork(&self) -> Result<Box<dyn KvCache>>;
+    /// Everything [`KvCache::restore_state`] needs to rebuild this cache's positions in a
+    /// fresh cache from the same factory (layer and geometry): named tensors copied to the
+    /// host, compressed methods as their codes. What the factory builds (codecs, codebooks,
+    /// rotations) is not in it. The default: this cache cannot be saved.
+    fn save_state(&self) -> Result<CacheState> {
+        Err(CacheError::State(format!(
+            "a {} cache cannot be saved",
+            self.method()
+        )))
+    }
+    /// Restores a [`KvCache::save_state`] into this fresh (empty) cache, its buffers on
+    /// `device`; afterwards it answers every call as the saved cache did. A state that does
+    /// not fit (another method, geometry or window, a missing or misshapen tensor, counts that
+    /// disagree) is an error, never a panic, and leaves nothing half restored that is used.
+    fn restore_state(&mut self, state: &CacheState, device: &Device) -> Result<()> {
+        let _ = (state, device);
+        Err(CacheError::State(format!(
+            "a {} cache cannot be restored",
+            self.method()
+        )))
+    }
 }
 
 /// Builds the per-layer caches of one method with one configuration.
@@ -212,5 +237,66 @@ impl LayerCaches {
     /// Number of layers.
     pub fn n_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// The smallest `n` such that every layer can truncate to any of `n..=len`
+    /// ([`KvCache::can_truncate`]): what a saved prefix can still be continued from.
+    pub fn min_truncate(&self) -> usize {
+        let mut n = self.len();
+        while n > 0 && self.can_truncate(n - 1) {
+            n -= 1;
+        }
+        n
+    }
+
+    /// Every layer's [`KvCache::save_state`], its names prefixed `layer.<i>.`.
+    pub fn save_state(&self) -> Result<CacheState> {
+        let mut out = CacheState::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (name, t) in l.save_state()? {
+                out.insert(format!("layer.{i}.{name}"), t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Caches from `factory` for layers of geometries `geoms`, restored from `state` (a
+    /// [`LayerCaches::save_state`]) with their buffers on `device`. Every tensor of `state`
+    /// must be taken by some layer.
+    pub fn restore(
+        factory: &dyn CacheFactory,
+        geoms: &[CacheGeometry],
+        state: CacheState,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut per_layer: Vec<CacheState> = vec![CacheState::new(); geoms.len()];
+        for (name, t) in state {
+            let layer = name
+                .strip_prefix("layer.")
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(i, rest)| Some((i.parse::<usize>().ok()?, rest)));
+            match layer {
+                Some((i, rest)) if i < geoms.len() => {
+                    per_layer[i].insert(rest.to_string(), t);
+                }
+                _ => {
+                    return Err(CacheError::State(format!(
+                        "tensor {name} belongs to no layer of {}",
+                        geoms.len()
+                    )));
+                }
+            }
+        }
+        let mut caches = Self::new(factory, geoms)?;
+        for (cache, state) in caches.layers.iter_mut().zip(&per_layer) {
+            cache.restore_state(state, device)?;
+        }
+        let len = caches.len();
+        if caches.layers.iter().any(|l| l.len() != len) {
+            return Err(CacheError::State(
+                "layers restored to different lengths".into(),
+            ));
+        }
+        Ok(caches)
     }
 }

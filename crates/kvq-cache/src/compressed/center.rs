@@ -12,8 +12,9 @@
 
 use super::exact_rows::ExactRows;
 use crate::Result;
-use crate::traits::CacheGeometry;
-use candle_core::{DType, Tensor};
+use crate::state::{StateReader, put_f32, put_f64, put_usize, state_err};
+use crate::traits::{CacheGeometry, CacheState};
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 /// Keys past the sinks the key center is the mean of; it is fixed once a layer has seen them.
@@ -299,5 +300,97 @@ impl KeyCenter {
         Ok(Some(
             (qs.matmul(mu)? * f64::from(scale))?.reshape((nh, t, 1))?,
         ))
+    }
+
+    /// Writes this center's state: `center.kind` (0 pending, 1 off, 2 on), `center.share`
+    /// (f32), `center.q_sq` (f64, its bits kept), `center.q_rows`, and once on `center.mu`
+    /// (`[kv heads, d]` f32), `center.spread` (f32) and `center.exact` (0 undecided, 1 codes,
+    /// 2 every key in fp16).
+    pub(super) fn save(&self, state: &mut CacheState) -> Result<()> {
+        let kind = match &self.center {
+            Center::Pending => 0,
+            Center::Off => 1,
+            Center::On { .. } => 2,
+        };
+        put_usize(state, "center.kind", kind)?;
+        put_f32(state, "center.share", self.share)?;
+        put_f64(state, "center.q_sq", self.q_sq)?;
+        put_usize(state, "center.q_rows", self.q_rows)?;
+        if let Center::On { mu, spread, exact } = &self.center {
+            let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
+            let mu = Tensor::from_vec(mu.clone(), (kvh, d), &Device::Cpu)?;
+            state.insert("center.mu".into(), mu);
+            put_f32(state, "center.spread", *spread)?;
+            let exact = match exact {
+                None => 0,
+                Some(false) => 1,
+                Some(true) => 2,
+            };
+            put_usize(state, "center.exact", exact)?;
+        }
+        Ok(())
+    }
+
+    /// A center like this (fresh) one in the state [`Self::save`] wrote, its device copy of
+    /// `mu` on `dev` when `on_device` (as a device cache fixing it builds it). The share must
+    /// be this one's (the factory's centering), the numbers finite.
+    pub(super) fn restore(
+        &self,
+        reader: &mut StateReader<'_>,
+        dev: &Device,
+        on_device: bool,
+    ) -> Result<Self> {
+        let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
+        let kind = reader.choice("center.kind", 3)?;
+        let share = reader.f32("center.share")?;
+        if share.to_bits() != self.share.to_bits() {
+            return Err(state_err(format!(
+                "tensor center.share: {share}, made with another key centering than this \
+                 cache's ({})",
+                self.share
+            )));
+        }
+        let q_sq = reader.f64("center.q_sq")?;
+        if !(q_sq.is_finite() && q_sq >= 0.0) {
+            return Err(state_err(format!(
+                "tensor center.q_sq: expected a finite sum of squares, got {q_sq}"
+            )));
+        }
+        let q_rows = reader.usize("center.q_rows")?;
+        let center = match kind {
+            0 => Center::Pending,
+            1 => Center::Off,
+            _ => {
+                let mu = reader
+                    .tensor("center.mu", DType::F32, &[kvh, d])?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let spread = reader.f32("center.spread")?;
+                if !(spread.is_finite() && spread >= 0.0) || mu.iter().any(|m| !m.is_finite()) {
+                    return Err(state_err(
+                        "tensors center.mu, center.spread: expected finite values, a spread >= 0",
+                    ));
+                }
+                let exact = match reader.choice("center.exact", 3)? {
+                    0 => None,
+                    1 => Some(false),
+                    _ => Some(true),
+                };
+                Center::On { mu, spread, exact }
+            }
+        };
+        let mu_dev = match (&center, on_device) {
+            (Center::On { mu, .. }, true) => Some(Tensor::from_vec(mu.clone(), (kvh, d, 1), dev)?),
+            _ => None,
+        };
+        Ok(Self {
+            center,
+            share,
+            q_sq,
+            q_rows,
+            mu_dev,
+            sinks: self.sinks,
+            geom: self.geom,
+        })
     }
 }

@@ -9,12 +9,19 @@
 //! rows no query can reach are dropped. An exact layer drops every row at its next append.
 
 use crate::Result;
+use crate::codec::rng::SplitMix;
 use crate::rowbuf::RowBuf;
-use candle_core::Tensor;
+use crate::state::{StateReader, state_err};
+use crate::traits::CacheState;
+use candle_core::{DType, Device, Tensor};
 use kvq_kernels::{
     AttendParams, KeyCodec, ValueCodec, compressed_attend, encode_keys, encode_values,
 };
 use std::sync::Arc;
+
+/// The seed of the vector whose codes (`codes.k_probe`, `codes.v_probe`) tell a state's
+/// codecs from another's.
+const PROBE_SEED: u64 = 0x6b76_715f_7374_6174;
 
 /// The codecs of one layer and their code rows (see the module docs).
 pub(super) struct Codes {
@@ -120,6 +127,84 @@ impl Codes {
             values: self.values.clone(),
             key_codes: self.key_codes.fork()?,
             val_codes: self.val_codes.fork()?,
+            heads: self.heads,
+        })
+    }
+
+    /// Each kv head's codes of one fixed vector by the key and the value codec (`[heads,
+    /// code bytes]` u8): a state made with other codecs (another seed, calibration or bits)
+    /// has other ones.
+    fn probes(&self) -> Result<(Tensor, Tensor)> {
+        let x = SplitMix::new(PROBE_SEED).gauss_vec(self.keys.head_dim());
+        let y = SplitMix::new(PROBE_SEED + 1).gauss_vec(self.values.head_dim());
+        let (kw, vw, h) = (self.keys.code_bytes(), self.values.code_bytes(), self.heads);
+        let (mut kb, mut vb) = (vec![0u8; h * kw], vec![0u8; h * vw]);
+        for (head, out) in kb.chunks_exact_mut(kw.max(1)).enumerate() {
+            self.keys.encode(head, &x, out);
+        }
+        for (head, out) in vb.chunks_exact_mut(vw.max(1)).enumerate() {
+            self.values.encode(head, &y, out);
+        }
+        let cpu = Device::Cpu;
+        Ok((
+            Tensor::from_vec(kb, (h, kw), &cpu)?,
+            Tensor::from_vec(vb, (h, vw), &cpu)?,
+        ))
+    }
+
+    /// Writes the code rows of positions `[first, len)` as `codes.k` and `codes.v`
+    /// (`crate::state::put_rows`; none in a layer that dropped them) and the codecs' probes
+    /// (`codes.k_probe`, `codes.v_probe`); the codecs themselves come from the factory.
+    pub(super) fn save(&self, state: &mut CacheState, len: usize) -> Result<()> {
+        self.key_codes.save(state, "codes.k", len)?;
+        self.val_codes.save(state, "codes.v", len)?;
+        let (kp, vp) = self.probes()?;
+        state.insert("codes.k_probe".into(), kp);
+        state.insert("codes.v_probe".into(), vp);
+        Ok(())
+    }
+
+    /// These codecs with the code rows [`Self::save`] wrote for a cache of `len` positions, on
+    /// `dev` (`limit` bounds the saved capacities and positions). The probes must be this
+    /// codecs', and key and value rows must start at the same position.
+    pub(super) fn restore(
+        &self,
+        reader: &mut StateReader<'_>,
+        (len, limit): (usize, usize),
+        dev: &Device,
+    ) -> Result<Self> {
+        let (kp, vp) = self.probes()?;
+        for (name, want) in [("codes.k_probe", kp), ("codes.v_probe", vp)] {
+            let got = reader.tensor(name, DType::U8, want.dims())?;
+            if got.flatten_all()?.to_vec1::<u8>()? != want.flatten_all()?.to_vec1::<u8>()? {
+                return Err(state_err(format!(
+                    "tensor {name}: made by other codecs than this cache's (another seed, \
+                     calibration or bits)"
+                )));
+            }
+        }
+        let empty = |width| RowBuf::codes(self.heads, width);
+        let key_codes =
+            empty(self.keys.code_bytes()).restore(reader, "codes.k", (len, limit, false), dev)?;
+        let val_codes =
+            empty(self.values.code_bytes()).restore(reader, "codes.v", (len, limit, false), dev)?;
+        if key_codes.first != val_codes.first
+            || (key_codes.bytes() == 0) != (val_codes.bytes() == 0)
+        {
+            return Err(state_err(format!(
+                "tensors codes.k and codes.v: key rows from {} ({} bytes), value rows from {} \
+                 ({} bytes)",
+                key_codes.first,
+                key_codes.bytes(),
+                val_codes.first,
+                val_codes.bytes()
+            )));
+        }
+        Ok(Self {
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            key_codes,
+            val_codes,
             heads: self.heads,
         })
     }

@@ -12,8 +12,10 @@
 //! are overwritten by the next append and never read.
 
 use crate::rowbuf::{GROW_TOKENS, RowBuf};
+use crate::state::{StateReader, put_rows, put_usize, state_err};
+use crate::traits::CacheState;
 use crate::{CacheError, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -68,6 +70,90 @@ impl Fp16Rows {
             Some(d) => d.bytes(),
             None => self.rows.iter().map(|r| r.capacity() * 2).sum(),
         }
+    }
+
+    /// Writes the rows of positions `first..end` (`[heads, n, d]` f16) as `p`
+    /// (`crate::state::put_rows`): a device buffer's rows from its own first row (at most
+    /// `first`) and its capacity, or the host rows and their capacity in positions.
+    fn save(
+        &self,
+        state: &mut CacheState,
+        p: &str,
+        (heads, d): (usize, usize),
+        end: usize,
+    ) -> Result<()> {
+        if let Some(buf) = &self.dev {
+            return buf.save(state, p, end);
+        }
+        let n = end.saturating_sub(self.first);
+        let mut data = Vec::with_capacity(heads * n * d);
+        for r in &self.rows {
+            let held = r.get(..n * d).ok_or_else(|| {
+                state_err(format!(
+                    "{p}: {} rows held, {n} expected",
+                    r.len() / d.max(1)
+                ))
+            })?;
+            data.extend_from_slice(held);
+        }
+        let cap = self
+            .rows
+            .iter()
+            .map(|r| r.capacity() / d.max(1))
+            .max()
+            .unwrap_or(0);
+        let rows = Tensor::from_vec(data, (heads, n, d), &Device::Cpu)?;
+        put_rows(state, p, Some(rows), self.first, cap)
+    }
+
+    /// Rows like these (empty) ones holding the rows `p` of positions `first..end` that
+    /// [`Self::save`] wrote (from a host or a device cache), where these live: in a device
+    /// buffer on `dev` when they have one, else on the host; `limit` bounds the saved
+    /// capacity. The saved rows must start at or before `first`.
+    fn restore(
+        &self,
+        reader: &mut StateReader<'_>,
+        p: &str,
+        (heads, d): (usize, usize),
+        (first, end, limit): (usize, usize, usize),
+        dev: &Device,
+    ) -> Result<Self> {
+        let check = |from: usize| match from <= first {
+            true => Ok(()),
+            false => Err(state_err(format!(
+                "tensor {p}.from: {from}, after the first position held, {first}"
+            ))),
+        };
+        if let Some(empty) = &self.dev {
+            let buf = empty.restore(reader, p, (end, limit, true), dev)?;
+            check(buf.first)?;
+            return Ok(Self {
+                rows: vec![Vec::new(); heads],
+                first,
+                dev: Some(buf),
+            });
+        }
+        let saved = reader.rows(p, (heads, d, DType::F16), end, limit, true)?;
+        check(saved.from)?;
+        let skip = (first - saved.from).min(saved.n);
+        let keep = saved.n - skip;
+        let data = match saved.rows {
+            Some(t) => t.flatten_all()?.to_vec1::<f16>()?,
+            None => Vec::new(),
+        };
+        let rows = (0..heads)
+            .map(|h| {
+                let mut r = Vec::with_capacity(saved.cap.max(keep) * d);
+                let at = (h * saved.n + skip) * d;
+                r.extend_from_slice(&data[at..at + keep * d]);
+                r
+            })
+            .collect();
+        Ok(Self {
+            rows,
+            first,
+            dev: None,
+        })
     }
 }
 
@@ -325,5 +411,56 @@ impl ExactRows {
             sink_v: self.sink_v.fork()?,
             ..*self
         })
+    }
+
+    /// Writes `exact.window`, `exact.sinks`, `exact.rewind`, `exact.first` (the first recent
+    /// position held) and the rows, of a cache holding `len` positions: `exact.recent_k`,
+    /// `exact.recent_v` (positions `[first, len)`, or from a device buffer's first row) and
+    /// `exact.sink_k`, `exact.sink_v` (`[0, min(len, sinks))`), each `[heads, n, d]` f16.
+    pub(super) fn save(&self, state: &mut CacheState, len: usize) -> Result<()> {
+        put_usize(state, "exact.window", self.window)?;
+        put_usize(state, "exact.sinks", self.sinks)?;
+        put_usize(state, "exact.rewind", self.rewind)?;
+        put_usize(state, "exact.first", self.first())?;
+        let hd = (self.heads, self.d);
+        self.recent_k.save(state, "exact.recent_k", hd, len)?;
+        self.recent_v.save(state, "exact.recent_v", hd, len)?;
+        let ns = len.min(self.sinks);
+        self.sink_k.save(state, "exact.sink_k", hd, ns)?;
+        self.sink_v.save(state, "exact.sink_v", hd, ns)
+    }
+
+    /// Rows like these (fresh) ones holding what [`Self::save`] wrote for a cache of `len`
+    /// positions: in device buffers on `dev` when `on_device` (or these are), else on the host;
+    /// `limit` bounds the saved capacities and the rewind. The window and sinks must be this
+    /// cache's, and the first recent position at most `len`.
+    pub(super) fn restore(
+        &self,
+        reader: &mut StateReader<'_>,
+        (len, limit): (usize, usize),
+        dev: &Device,
+        on_device: bool,
+    ) -> Result<Self> {
+        reader.expect_usize("exact.window", self.window)?;
+        reader.expect_usize("exact.sinks", self.sinks)?;
+        let rewind = reader.bounded("exact.rewind", limit)?;
+        let first = reader.bounded("exact.first", len)?;
+        let mut out = Self::new(self.heads, self.d, self.window, self.sinks);
+        if on_device || self.on_device() {
+            out.use_device();
+        }
+        out.rewind = rewind;
+        let hd = (self.heads, self.d);
+        let recent = (first, len, limit);
+        out.recent_k = out
+            .recent_k
+            .restore(reader, "exact.recent_k", hd, recent, dev)?;
+        out.recent_v = out
+            .recent_v
+            .restore(reader, "exact.recent_v", hd, recent, dev)?;
+        let sinks = (0, len.min(self.sinks), limit);
+        out.sink_k = out.sink_k.restore(reader, "exact.sink_k", hd, sinks, dev)?;
+        out.sink_v = out.sink_v.restore(reader, "exact.sink_v", hd, sinks, dev)?;
+        Ok(out)
     }
 }

@@ -40,19 +40,22 @@
 //!   all made from positions below `sinks + CENTER_ROWS` only.
 //! - `merge.rs`: a CPU cache's merge of the codes' partial states with the fp16 rows;
 //!   `device.rs`: the same on a device (and the fused CUDA decode step).
+//! - `state.rs`: saving and restoring the whole (`KvCache::save_state`), each part writing and
+//!   checking its own tensors.
 
 mod center;
 mod codes;
 mod device;
 mod exact_rows;
 mod merge;
+mod state;
 
 pub use center::{CENTER_ROWS, SHARP_LOGITS};
 
 use crate::attention::window_start;
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::traits::{CacheFactory, CacheGeometry, CacheState, KvCache};
 use crate::{CacheError, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use center::KeyCenter;
 use codes::Codes;
 use exact_rows::ExactRows;
@@ -357,5 +360,13 @@ impl KvCache for CompressedCache {
             len: self.len,
             roll: self.roll,
         }))
+    }
+
+    fn save_state(&self) -> Result<CacheState> {
+        self.save()
+    }
+
+    fn restore_state(&mut self, state: &CacheState, device: &Device) -> Result<()> {
+        self.restore(state, device)
     }
 }

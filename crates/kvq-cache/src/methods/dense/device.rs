@@ -8,7 +8,8 @@ use super::Element;
 use crate::Result;
 use crate::attention::window_start;
 use crate::rowbuf::{GROW_TOKENS, RowBuf};
-use crate::traits::CacheGeometry;
+use crate::state::{StateReader, state_err};
+use crate::traits::{CacheGeometry, CacheState};
 use candle_core::{DType, Device, Tensor};
 
 /// Bytes a prompt chunk's scores may take at once (`[heads, rows, positions]` f32) on the CPU
@@ -82,6 +83,35 @@ impl DeviceRows {
             k: self.k.fork()?,
             v: self.v.fork()?,
         })
+    }
+
+    /// Writes the rows of positions `first..len` as `k` and `v` (`crate::state::put_rows`).
+    pub(super) fn save(&self, state: &mut CacheState, len: usize) -> Result<()> {
+        self.k.save(state, "k", len)?;
+        self.v.save(state, "v", len)
+    }
+
+    /// Device rows on `dev` holding the `k` and `v` rows of positions up to `len` that
+    /// [`Self::save`] (or a host cache's save) wrote, with the saved capacity (at most `limit`).
+    pub(super) fn restore<E: Element>(
+        geom: &CacheGeometry,
+        reader: &mut StateReader<'_>,
+        (len, limit): (usize, usize),
+        dev: &Device,
+    ) -> Result<Self> {
+        let empty = Self::new::<E>(geom);
+        let k = empty.k.restore(reader, "k", (len, limit, true), dev)?;
+        let v = empty.v.restore(reader, "v", (len, limit, true), dev)?;
+        if k.first != v.first || k.bytes() != v.bytes() {
+            return Err(state_err(format!(
+                "tensors k and v: keys held from {} ({} bytes), values from {} ({} bytes)",
+                k.first,
+                k.bytes(),
+                v.first,
+                v.bytes()
+            )));
+        }
+        Ok(Self { k, v })
     }
 
     /// The first position still held.

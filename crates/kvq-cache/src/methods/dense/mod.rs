@@ -4,15 +4,17 @@
 //! released and recycled, so memory stops growing at the window. Attention is exact up to the
 //! storage type's rounding: a decode step's few rows in spans over both cores (`decode.rs`), a
 //! prompt chunk in tiles with an online softmax, never a score matrix (`prefill.rs`). On a GPU
-//! the rows live in device buffers instead (`device.rs`).
+//! the rows live in device buffers instead (`device.rs`). `state.rs` saves and restores either
+//! (`KvCache::save_state`).
 
 mod decode;
 mod device;
 mod prefill;
+mod state;
 
 use crate::Result;
 use crate::attention::{axpy, window_start};
-use crate::traits::{CacheFactory, CacheGeometry, KvCache};
+use crate::traits::{CacheFactory, CacheGeometry, CacheState, KvCache};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -37,6 +39,8 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// Reads a tensor of this dtype.
     fn read(t: &Tensor) -> Result<Vec<Self>>;
+    /// A host tensor of `dims` holding `data`.
+    fn host_tensor(data: Vec<Self>, dims: (usize, usize, usize)) -> Result<Tensor>;
     /// Adds `scale * q_i . k_j` to the scores of the rows of `q` (`[rows, d]`) and keys `k_j`.
     fn add_scores(k: KeyColumns<'_, Self>, q: &[f32], d: usize, scale: f32, s: ScoreRows<'_>) {
         let mut col = vec![0f32; k.len];
@@ -60,6 +64,9 @@ impl Element for f16 {
     fn read(t: &Tensor) -> Result<Vec<Self>> {
         Ok(t.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?)
     }
+    fn host_tensor(data: Vec<Self>, dims: (usize, usize, usize)) -> Result<Tensor> {
+        Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
+    }
     fn add_scores(k: KeyColumns<'_, Self>, q: &[f32], d: usize, scale: f32, s: ScoreRows<'_>) {
         kvq_kernels::add_scores_f16(k, q, d, scale, s);
     }
@@ -74,6 +81,9 @@ impl Element for f32 {
     }
     fn read(t: &Tensor) -> Result<Vec<Self>> {
         Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+    fn host_tensor(data: Vec<Self>, dims: (usize, usize, usize)) -> Result<Tensor> {
+        Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
     }
 }
 
@@ -152,6 +162,9 @@ pub struct DenseCache<E> {
     roll: bool,
     /// The rows on the device, for a cache whose keys come from a GPU (then `blocks` is empty).
     dev: Option<device::DeviceRows>,
+    /// The first position the host blocks hold: 0, but in a cache restored from rows that
+    /// start inside a block (`state.rs`), where that block's earlier slots are not positions.
+    host_first: usize,
 }
 
 impl<E: Element> DenseCache<E> {
@@ -164,6 +177,7 @@ impl<E: Element> DenseCache<E> {
             len: 0,
             roll: true,
             dev: None,
+            host_first: 0,
         }
     }
 
@@ -189,6 +203,35 @@ impl<E: Element> DenseCache<E> {
                 && self.spare.is_none()
             {
                 self.spare = Some(b);
+            }
+        }
+    }
+
+    /// Writes the host rows of keys `kd` and values `vd` (`[kv heads][t][d]`) at positions
+    /// `len..len + t`, allocating (or recycling) blocks as needed; `len` is not moved.
+    fn write_host(&mut self, kd: &[E], vd: &[E], t: usize) {
+        let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
+        let elems = self.block_elems();
+        for i in 0..t {
+            let pos = self.len + i;
+            let (b, slot) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
+            if b >= self.blocks.len() {
+                self.blocks.resize_with(b + 1, || None);
+            }
+            let block = self.blocks[b].get_or_insert_with(|| {
+                self.spare.take().unwrap_or_else(|| Block {
+                    k: vec![E::ZERO; elems],
+                    v: vec![E::ZERO; elems],
+                })
+            });
+            for h in 0..kvh {
+                let src = (h * t + i) * d;
+                let dst = (h * BLOCK_TOKENS + slot) * d;
+                block.v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
+                let kcol = h * d * BLOCK_TOKENS + slot;
+                for (dd, &x) in kd[src..src + d].iter().enumerate() {
+                    block.k[kcol + dd * BLOCK_TOKENS] = x;
+                }
             }
         }
     }
@@ -300,7 +343,6 @@ pub fn causal_mask(
 
 impl<E: Element> KvCache for DenseCache<E> {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (kvh, d) = (self.geom.n_kv_heads, self.geom.head_dim);
         let t = self.geom.check_append(self.len, k, v)?;
         if !k.device().is_cpu() || self.dev.is_some() {
             let keep_from = match self.roll {
@@ -321,29 +363,7 @@ impl<E: Element> KvCache for DenseCache<E> {
             // The new rows' queries start at `len`: nothing before its window is read again.
             self.release_before(window_start(self.len, Some(w)));
         }
-        let elems = self.block_elems();
-        for i in 0..t {
-            let pos = self.len + i;
-            let (b, slot) = (pos / BLOCK_TOKENS, pos % BLOCK_TOKENS);
-            if b >= self.blocks.len() {
-                self.blocks.resize_with(b + 1, || None);
-            }
-            let block = self.blocks[b].get_or_insert_with(|| {
-                self.spare.take().unwrap_or_else(|| Block {
-                    k: vec![E::ZERO; elems],
-                    v: vec![E::ZERO; elems],
-                })
-            });
-            for h in 0..kvh {
-                let src = (h * t + i) * d;
-                let dst = (h * BLOCK_TOKENS + slot) * d;
-                block.v[dst..dst + d].copy_from_slice(&vd[src..src + d]);
-                let kcol = h * d * BLOCK_TOKENS + slot;
-                for (dd, &x) in kd[src..src + d].iter().enumerate() {
-                    block.k[kcol + dd * BLOCK_TOKENS] = x;
-                }
-            }
-        }
+        self.write_host(&kd, &vd, t);
         self.len += t;
         Ok(())
     }
@@ -403,6 +423,7 @@ impl<E: Element> KvCache for DenseCache<E> {
         // A query at position n reads from its window start on: those blocks must still be here.
         let needed = window_start(n, self.geom.sliding_window);
         !(self.dev.as_ref().is_some_and(|d| d.first() > needed)
+            || (self.dev.is_none() && self.host_first > needed)
             || self
                 .blocks
                 .get(needed / BLOCK_TOKENS)
@@ -436,7 +457,16 @@ impl<E: Element> KvCache for DenseCache<E> {
             len: self.len,
             roll: self.roll,
             dev: self.dev.as_ref().map(|d| d.fork()).transpose()?,
+            host_first: self.host_first,
         }))
+    }
+
+    fn save_state(&self) -> Result<CacheState> {
+        self.save()
+    }
+
+    fn restore_state(&mut self, state: &CacheState, device: &Device) -> Result<()> {
+        self.restore(state, device)
     }
 }
 
