@@ -3,7 +3,8 @@
 
 use crate::EngineError;
 use crate::request::{GenerationRequest, GenerationStream};
-use crate::worker::{Job, Worker};
+use crate::store::{KvStore, StoreStats};
+use crate::worker::{Job, Msg, Worker};
 use kvq_cache::{CacheGeometry, LayerCaches, ResolvedCache};
 use kvq_models::{ChatTemplate, LoadedModel, ModelInfo, Tokenizer};
 use std::collections::BTreeMap;
@@ -28,6 +29,9 @@ pub struct EngineConfig {
     /// prompts that start with the same tokens under the same cache configuration, inside
     /// the KV budget (evicted, least recently used first, before a request would wait).
     pub prefix_cache: Option<usize>,
+    /// Where held prefixes are saved across restarts (`None`: nowhere): evicted ones and, at
+    /// [`Engine::persist`], all (see `store`). Needs the prefix cache.
+    pub kv_store: Option<Arc<KvStore>>,
 }
 
 /// The prefix cache's default limit.
@@ -41,6 +45,7 @@ impl Default for EngineConfig {
             prefill_chunk: 512,
             kv_budget: None,
             prefix_cache: Some(DEFAULT_PREFIX_CACHE),
+            kv_store: None,
         }
     }
 }
@@ -67,6 +72,8 @@ pub struct EngineStats {
     /// prompt tokens they did not prefill.
     pub prefix_hits: u64,
     pub prefix_reused_tokens: u64,
+    /// The KV store's files and what it did, when there is one.
+    pub store: Option<StoreStats>,
 }
 
 impl EngineStats {
@@ -101,7 +108,7 @@ struct Inner {
     config: EngineConfig,
     /// Each layer's attention geometry, for counting a request's KV bytes before it runs.
     geoms: Vec<CacheGeometry>,
-    jobs: Mutex<mpsc::Sender<Job>>,
+    jobs: Mutex<mpsc::Sender<Msg>>,
     shared: Arc<Shared>,
 }
 
@@ -307,12 +314,27 @@ impl Engine {
             .jobs
             .lock()
             .map_err(|_| EngineError::Shutdown)?
-            .send(job);
+            .send(Msg::Job(Box::new(job)));
         if sent.is_err() {
             shared.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Shutdown);
         }
         Ok(rx)
+    }
+
+    /// Saves every held prefix the KV store does not hold yet and waits until they are on
+    /// disk (at shutdown, once the open requests are done); returns how many were saved. Blocks:
+    /// call it off the async runtime.
+    pub fn persist(&self) -> usize {
+        let (tx, rx) = mpsc::channel();
+        let sent = match self.inner.jobs.lock() {
+            Ok(jobs) => jobs.send(Msg::Persist(tx)).is_ok(),
+            Err(_) => false,
+        };
+        match sent {
+            true => rx.recv().unwrap_or(0),
+            false => 0,
+        }
     }
 
     /// What is running and waiting, and the KV bytes held.

@@ -9,6 +9,7 @@ mod release;
 pub mod request;
 pub mod sampling;
 pub mod stop;
+pub mod store;
 mod worker;
 
 pub use engine::{DEFAULT_PREFIX_CACHE, Engine, EngineConfig, EngineStats};
@@ -17,3 +18,4 @@ pub use request::{
     FinishReason, GenerationEvent, GenerationRequest, GenerationStream, LogprobInfo,
     SamplingParams, TopLogprob, Usage,
 };
+pub use store::{KvStore, KvStoreConfig, StoreError, StoreStats};

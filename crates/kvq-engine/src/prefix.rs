@@ -18,8 +18,10 @@
 //! what a prefill of the same text computes; a prompt reusing them continues that sequence
 //! exactly as it would have gone on, which is the point of a chat's next turn.
 
-use kvq_cache::{LayerCaches, TILE_POSITIONS};
+use crate::store::KvStore;
+use kvq_cache::{CacheFactory, CacheGeometry, LayerCaches, TILE_POSITIONS};
 use kvq_models::model::DEQUANT_MIN_ROWS;
+use std::sync::Arc;
 
 /// Reusing fewer tokens than this is not worth a copy of the caches.
 pub(crate) const MIN_REUSE: usize = 16;
@@ -45,6 +47,8 @@ pub(crate) struct Entry {
     bytes: usize,
     /// Logical time of the last store or use (larger: more recent).
     used: u64,
+    /// Whether the KV store holds exactly this (it was restored from there, or saved).
+    saved: bool,
 }
 
 /// The held prefixes, least recently used evicted first.
@@ -56,6 +60,8 @@ pub(crate) struct PrefixCache {
     /// Requests that continued from a held prefix or a running sequence, and their reused tokens.
     pub(crate) hits: u64,
     pub(crate) reused_tokens: u64,
+    /// Where evicted entries go, and held ones at shutdown (`--kv-store`).
+    store: Option<Arc<KvStore>>,
 }
 
 /// Where a prompt can start: `n` positions of a candidate's caches.
@@ -111,12 +117,13 @@ pub(crate) fn exact_start(m: usize, p: usize, chunk: usize) -> usize {
 pub(crate) const EXACT_SLACK: usize = 64;
 
 /// What a candidate for reuse holds: its positions' tokens, how many of them were prefilled
-/// (the rest decoded), how many of those are exact, and its caches.
+/// (the rest decoded), how many of those are exact, and whether its caches can go back to a
+/// position (`LayerCaches::can_truncate`; a saved prefix answers from its metadata).
 pub(crate) struct Held<'a> {
     pub(crate) tokens: &'a [u32],
     pub(crate) prefilled: usize,
     pub(crate) exact: usize,
-    pub(crate) caches: &'a LayerCaches,
+    pub(crate) can_truncate: &'a dyn Fn(usize) -> bool,
 }
 
 /// The reuse of `held` for `prompt`: `(n, exact)`, `(0, 0)` for none. It starts where the
@@ -131,11 +138,11 @@ pub(crate) fn plan(held: &Held<'_>, prompt: &[u32], chunk: usize) -> (usize, usi
     let m = reusable(held.tokens, prompt);
     if m <= held.exact + EXACT_SLACK {
         let n = exact_start(m.min(held.exact), prompt.len(), chunk);
-        if n >= MIN_REUSE && held.caches.can_truncate(n) {
+        if n >= MIN_REUSE && (held.can_truncate)(n) {
             return (n, n);
         }
     }
-    match m > held.prefilled && held.caches.can_truncate(m) {
+    match m > held.prefilled && (held.can_truncate)(m) {
         true => (m, held.exact.min(m)),
         false => (0, 0),
     }
@@ -156,6 +163,67 @@ impl PrefixCache {
             clock: 0,
             hits: 0,
             reused_tokens: 0,
+            store: None,
+        }
+    }
+
+    /// Saves evicted entries to `store` and restores from it (`--kv-store`).
+    pub(crate) fn with_store(mut self, store: Option<Arc<KvStore>>) -> Self {
+        self.store = store;
+        self
+    }
+
+    /// The KV store, if any.
+    pub(crate) fn store(&self) -> Option<&KvStore> {
+        self.store.as_deref()
+    }
+
+    /// An entry leaves memory: the store keeps it, unless it already does.
+    fn release(&self, e: Entry) {
+        if let (Some(store), false) = (&self.store, e.saved) {
+            store.save(&e.key, &e.tokens, (e.prefilled, e.exact), &e.caches);
+        }
+    }
+
+    /// Saves every held entry the store does not hold yet and waits for the writes (at
+    /// shutdown); returns how many were saved.
+    pub(crate) fn persist(&mut self) -> usize {
+        let Some(store) = &self.store else {
+            return 0;
+        };
+        let mut n = 0;
+        for e in self.entries.iter_mut().filter(|e| !e.saved) {
+            store.save(&e.key, &e.tokens, (e.prefilled, e.exact), &e.caches);
+            e.saved = true;
+            n += 1;
+        }
+        store.flush();
+        n
+    }
+
+    /// When the store has a prefix under `key` serving more of `prompt` than `held` positions
+    /// (what memory offers), restores it (caches from `factory` for layers `geoms` on
+    /// `device`) and holds it, so that [`PrefixCache::best`] finds it.
+    pub(crate) fn restore(
+        &mut self,
+        key: &str,
+        prompt: &[u32],
+        chunk: usize,
+        held: usize,
+        (factory, geoms, device): (&dyn CacheFactory, &[CacheGeometry], &candle_core::Device),
+    ) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let Some((stem, n)) = store.best(key, prompt, chunk).filter(|&(_, n)| n > held) else {
+            return;
+        };
+        if let Some((caches, tokens, counts)) = store.load(&stem, factory, geoms, device) {
+            tracing::debug!(
+                "restored a {}-token prefix for {n} prompt positions",
+                tokens.len()
+            );
+            self.hold(key.to_string(), tokens, counts, caches, true);
         }
     }
 
@@ -181,8 +249,20 @@ impl PrefixCache {
         &mut self,
         key: String,
         tokens: Vec<u32>,
+        counts: (usize, usize),
+        caches: LayerCaches,
+    ) {
+        self.hold(key, tokens, counts, caches, false);
+    }
+
+    /// [`PrefixCache::insert`]; `saved`: the store holds exactly this already.
+    fn hold(
+        &mut self,
+        key: String,
+        tokens: Vec<u32>,
         (prefilled, exact): (usize, usize),
         caches: LayerCaches,
+        saved: bool,
     ) {
         if tokens.len() < MIN_REUSE || caches.len() != tokens.len() {
             return;
@@ -199,19 +279,22 @@ impl PrefixCache {
             caches,
             bytes,
             used,
+            saved,
         });
         self.evict_to(self.limit);
     }
 
-    /// Evicts least recently used entries until at most `bytes` are held; returns how many
-    /// bytes it freed.
+    /// Evicts least recently used entries (to the store, if any) until at most `bytes` are
+    /// held; returns how many bytes it freed.
     pub(crate) fn evict_to(&mut self, bytes: usize) -> usize {
         let mut freed = 0;
         while self.bytes() > bytes {
             let Some(lru) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
                 break;
             };
-            freed += self.entries.swap_remove(lru).bytes;
+            let e = self.entries.swap_remove(lru);
+            freed += e.bytes;
+            self.release(e);
         }
         freed
     }
@@ -224,11 +307,12 @@ impl PrefixCache {
             .enumerate()
             .filter(|(_, e)| e.key == key)
             .map(|(index, e)| {
+                let can = |n: usize| e.caches.can_truncate(n);
                 let held = Held {
                     tokens: &e.tokens,
                     prefilled: e.prefilled,
                     exact: e.exact,
-                    caches: &e.caches,
+                    can_truncate: &can,
                 };
                 let (n, exact) = plan(&held, prompt, chunk);
                 Match { index, n, exact }
@@ -356,11 +440,12 @@ mod tests {
         let c = caches(300);
         let mut prompt = held.clone();
         prompt.extend([7, 7, 7]);
+        let can = |n: usize| c.can_truncate(n);
         let h = |prefilled, exact| Held {
             tokens: &held,
             prefilled,
             exact,
-            caches: &c,
+            can_truncate: &can,
         };
         assert_eq!(plan(&h(200, 192), &prompt, 512), (300, 192));
         assert_eq!(plan(&h(240, 240), &prompt, 512), (240, 240), "60 given up");

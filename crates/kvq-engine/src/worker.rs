@@ -33,6 +33,13 @@ pub(crate) struct Job {
     pub(crate) submitted: Instant,
 }
 
+/// What the engine handle sends the worker.
+pub(crate) enum Msg {
+    Job(Box<Job>),
+    /// Save every held prefix to the KV store and answer how many (`Engine::persist`).
+    Persist(mpsc::Sender<usize>),
+}
+
 /// One running sequence.
 struct Seq {
     job: Job,
@@ -101,7 +108,7 @@ pub(crate) struct Worker {
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     shared: Arc<Shared>,
-    jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<Msg>,
     waiting: VecDeque<Job>,
     running: Vec<Seq>,
     admitted: u64,
@@ -115,12 +122,14 @@ impl Worker {
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,
         shared: Arc<Shared>,
-        jobs: mpsc::Receiver<Job>,
+        jobs: mpsc::Receiver<Msg>,
     ) -> Self {
         Self {
             model,
             tokenizer,
-            prefixes: config.prefix_cache.map(PrefixCache::new),
+            prefixes: config
+                .prefix_cache
+                .map(|b| PrefixCache::new(b).with_store(config.kv_store.clone())),
             config,
             shared,
             jobs,
@@ -136,12 +145,16 @@ impl Worker {
             if self.running.is_empty() && self.waiting.is_empty() {
                 crate::release::free_heap_to_os();
                 match self.jobs.recv() {
-                    Ok(job) => self.waiting.push_back(job),
-                    Err(_) => return,
+                    Ok(msg) => self.take(msg),
+                    Err(_) => {
+                        // Every handle is gone: what is held goes to the store.
+                        self.persist();
+                        return;
+                    }
                 }
             }
-            while let Ok(job) = self.jobs.try_recv() {
-                self.waiting.push_back(job);
+            while let Ok(msg) = self.jobs.try_recv() {
+                self.take(msg);
             }
             self.admit();
             // A client that went away stops its generation; its caches go to the prefix cache
@@ -160,6 +173,23 @@ impl Worker {
             }
             self.publish_stats();
         }
+    }
+
+    fn take(&mut self, msg: Msg) {
+        match msg {
+            Msg::Job(job) => self.waiting.push_back(*job),
+            Msg::Persist(done) => {
+                let n = self.persist();
+                let _ = done.send(n);
+            }
+        }
+    }
+
+    /// Saves the held prefixes to the KV store (`PrefixCache::persist`).
+    fn persist(&mut self) -> usize {
+        let n = self.prefixes.as_mut().map_or(0, PrefixCache::persist);
+        self.publish_stats();
+        n
     }
 
     /// Bytes the running sequences have reserved.
@@ -227,7 +257,6 @@ impl Worker {
             ));
         };
         let (key, prompt) = (&job.req.cache.key, &job.req.prompt);
-        let held = prefixes.best(key, prompt, chunk);
         let running = self
             .running
             .iter()
@@ -235,16 +264,32 @@ impl Worker {
             .filter(|(_, s)| &s.job.req.cache.key == key)
             .map(|(i, s)| {
                 let tokens = s.held_tokens();
+                let can = |n: usize| s.caches.can_truncate(n);
                 let held = prefix::Held {
                     tokens: &tokens,
                     prefilled: s.prefilled.min(tokens.len()),
                     exact: s.exact_upto(chunk),
-                    caches: &s.caches,
+                    can_truncate: &can,
                 };
                 (i, prefix::plan(&held, prompt, chunk))
             })
             .filter(|&(_, (n, _))| n >= MIN_REUSE)
             .max_by_key(|&(_, (n, _))| n);
+        let mut held = prefixes.best(key, prompt, chunk);
+        if prefixes.store().is_some() {
+            // A saved prefix serving more than memory does is restored and held first.
+            let in_memory = running
+                .map_or(0, |(_, (n, _))| n)
+                .max(held.map_or(0, |m| m.n));
+            let geoms = self.model.cache_geometries();
+            let at = (
+                job.req.cache.factory.as_ref(),
+                geoms.as_slice(),
+                self.model.device(),
+            );
+            prefixes.restore(key, prompt, chunk, in_memory, at);
+            held = prefixes.best(key, prompt, chunk);
+        }
         let mut found = None;
         if let Some((i, (n, exact))) = running.filter(|&(_, (n, _))| held.is_none_or(|h| n > h.n)) {
             found = self.running[i]
@@ -445,6 +490,7 @@ impl Worker {
             st.prefix_bytes = p.bytes();
             st.prefix_hits = p.hits;
             st.prefix_reused_tokens = p.reused_tokens;
+            st.store = p.store().map(|s| s.stats());
         }
         for s in &self.running {
             let method = s.caches.method().to_string();

@@ -25,6 +25,11 @@ pub const PREFIX_CACHE_ENTRIES: &str = "kvq_prefix_cache_entries";
 pub const PREFIX_CACHE_BYTES: &str = "kvq_prefix_cache_bytes";
 pub const PREFIX_CACHE_HITS: &str = "kvq_prefix_cache_hits_total";
 pub const PREFIX_CACHED_TOKENS: &str = "kvq_prefix_cached_tokens_total";
+pub const KV_STORE_FILES: &str = "kvq_kv_store_prefixes";
+pub const KV_STORE_BYTES: &str = "kvq_kv_store_bytes";
+pub const KV_STORE_LOADS: &str = "kvq_kv_store_restored_total";
+pub const KV_STORE_SAVES: &str = "kvq_kv_store_saved_total";
+pub const KV_STORE_SKIPPED: &str = "kvq_kv_store_skipped_total";
 
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -119,6 +124,21 @@ fn describe() {
         PREFIX_CACHED_TOKENS,
         "Prompt tokens not prefilled because a prefix was reused"
     );
+    metrics::describe_gauge!(
+        KV_STORE_FILES,
+        "Prefixes saved in the KV store (--kv-store)"
+    );
+    metrics::describe_gauge!(
+        KV_STORE_BYTES,
+        metrics::Unit::Bytes,
+        "Bytes the KV store's files take (at most --kv-store-max)"
+    );
+    metrics::describe_counter!(KV_STORE_LOADS, "Saved prefixes restored from the KV store");
+    metrics::describe_counter!(KV_STORE_SAVES, "Held prefixes written to the KV store");
+    metrics::describe_counter!(
+        KV_STORE_SKIPPED,
+        "KV store files skipped as unusable (another model or version, cut short, corrupted)"
+    );
 }
 
 /// Middleware counting every response in `kvq_requests_total{endpoint,status}`. Unmatched
@@ -181,4 +201,11 @@ pub fn set_engine_gauges(stats: &EngineStats, methods: &[String]) {
     metrics::gauge!(PREFIX_CACHE_BYTES).set(stats.prefix_bytes as f64);
     metrics::counter!(PREFIX_CACHE_HITS).absolute(stats.prefix_hits);
     metrics::counter!(PREFIX_CACHED_TOKENS).absolute(stats.prefix_reused_tokens);
+    if let Some(st) = &stats.store {
+        metrics::gauge!(KV_STORE_FILES).set(st.files as f64);
+        metrics::gauge!(KV_STORE_BYTES).set(st.bytes as f64);
+        metrics::counter!(KV_STORE_LOADS).absolute(st.loads);
+        metrics::counter!(KV_STORE_SAVES).absolute(st.saves);
+        metrics::counter!(KV_STORE_SKIPPED).absolute(st.skipped);
+    }
 }

@@ -168,9 +168,38 @@ pub fn parse_prefix_cache(s: &str) -> Result<Option<usize>, String> {
     }
 }
 
+/// `--kv-store-max`'s default.
+pub const DEFAULT_STORE_MAX: u64 = 10 << 30;
+
+/// A parsed `--kv-store-max`: bytes, more than 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StoreSize(pub u64);
+
+impl std::str::FromStr for StoreSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.parse::<KvBudget>() {
+            Ok(KvBudget::Bytes(b)) if b > 0 => Ok(Self(b as u64)),
+            _ => Err(format!(
+                "'{s}' is not a KV store size: give bytes (20GiB, 512MiB, 1000000000)"
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_store_sizes() {
+        assert_eq!("20GiB".parse::<StoreSize>(), Ok(StoreSize(20 << 30)));
+        assert_eq!("1000".parse::<StoreSize>(), Ok(StoreSize(1000)));
+        for bad in ["0", "50%", "none", "lots"] {
+            assert!(bad.parse::<StoreSize>().is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn parses_prefix_cache_sizes() {

@@ -55,6 +55,16 @@ pub struct ServeArgs {
     /// would wait [default: 1GiB, at most the KV budget].
     #[arg(long)]
     pub prefix_cache: Option<super::budget::PrefixCacheSize>,
+    /// A directory where held prefixes are saved, compressed ones as their codes, when the
+    /// prefix cache evicts them and at shutdown, and restored from when a prompt starts with
+    /// their tokens: a restarted server continues a conversation warm. Files of another model,
+    /// kvq version or cache configuration are skipped, damaged ones removed [default: off].
+    #[arg(long)]
+    pub kv_store: Option<PathBuf>,
+    /// Bytes the --kv-store files may take (20GiB, 512MiB); the least recently used go first
+    /// [default: 10GiB].
+    #[arg(long, requires = "kv_store")]
+    pub kv_store_max: Option<super::budget::StoreSize>,
     /// Largest request body accepted, in bytes (413 past it) [default: 4194304].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -109,6 +119,8 @@ struct FileConfig {
     max_waiting: Option<usize>,
     kv_budget: Option<String>,
     prefix_cache: Option<String>,
+    kv_store: Option<PathBuf>,
+    kv_store_max: Option<String>,
     max_body_bytes: Option<usize>,
     max_n: Option<usize>,
     default_kv_cache_method: Option<String>,
@@ -135,6 +147,8 @@ struct Settings {
     kv_budget: (super::budget::KvBudget, bool),
     /// Bytes the prefix cache may hold (`None`: off).
     prefix_cache: Option<usize>,
+    /// The KV store's directory and byte limit.
+    kv_store: Option<(PathBuf, u64)>,
     max_body_bytes: usize,
     max_n: usize,
     default_method: Option<String>,
@@ -191,6 +205,21 @@ fn settings(args: ServeArgs) -> anyhow::Result<Settings> {
             (None, Some(p)) => super::budget::parse_prefix_cache(&p)
                 .map_err(|e| anyhow::anyhow!("prefix_cache in the config file: {e}"))?,
             (None, None) => engine.prefix_cache,
+        },
+        kv_store: match args.kv_store.or(file.kv_store) {
+            Some(dir) => Some((
+                dir,
+                match (args.kv_store_max, file.kv_store_max) {
+                    (Some(m), _) => m.0,
+                    (None, Some(m)) => {
+                        m.parse::<super::budget::StoreSize>()
+                            .map_err(|e| anyhow::anyhow!("kv_store_max in the config file: {e}"))?
+                            .0
+                    }
+                    (None, None) => super::budget::DEFAULT_STORE_MAX,
+                },
+            )),
+            None => None,
         },
         max_body_bytes: args
             .max_body_bytes
@@ -278,12 +307,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => eprintln!("kvq prefix cache: off (--prefix-cache)"),
     }
+    let defaults = EngineConfig::default();
+    let kv_store = match &args.kv_store {
+        Some((dir, max)) => Some(Arc::new(open_store(
+            dir,
+            *max,
+            &choice.path,
+            &args,
+            defaults.prefill_chunk,
+            model.model.cache_geometries().len(),
+        )?)),
+        None => None,
+    };
     let config = EngineConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
         kv_budget,
         prefix_cache: args.prefix_cache,
-        ..EngineConfig::default()
+        kv_store,
+        ..defaults
     };
     let engine = Engine::start(model, config);
     // VecInfer finds (or makes, on first use) the calibration of this model on its own.
@@ -322,11 +364,57 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => {}
     }
     eprintln!("kvq listening on http://{addr}");
-    serve(listener, state, args.serve)
-        .await
-        .context("the server failed")?;
+    let engine = state.engine.clone();
+    let served = serve(listener, state, args.serve).await;
+    if args.kv_store.is_some() {
+        // The open requests are done: what the prefix cache holds goes to disk.
+        let started = std::time::Instant::now();
+        let saved = tokio::task::spawn_blocking(move || engine.persist())
+            .await
+            .unwrap_or(0);
+        eprintln!(
+            "kvq kv store: saved {saved} held prefixes in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    served.context("the server failed")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Opens the KV store in `dir` (at most `max` bytes) for the model at `model_path`, printing
+/// what it holds.
+fn open_store(
+    dir: &std::path::Path,
+    max: u64,
+    model_path: &std::path::Path,
+    args: &Settings,
+    chunk: usize,
+    n_layers: usize,
+) -> anyhow::Result<kvq_engine::KvStore> {
+    anyhow::ensure!(
+        args.prefix_cache.is_some(),
+        "--kv-store saves the prefix cache's entries: it needs --prefix-cache on"
+    );
+    let started = std::time::Instant::now();
+    let model_hash = kvq_server::calibration::model_hash(model_path)
+        .map_err(|e| anyhow::anyhow!("--kv-store needs the model's identity: {e}"))?;
+    let config = kvq_engine::KvStoreConfig {
+        dir: dir.to_path_buf(),
+        max_bytes: max,
+        model_hash,
+    };
+    let store = kvq_engine::KvStore::open(config, chunk, n_layers)?;
+    let st = store.stats();
+    eprintln!(
+        "kvq kv store: {} holds {} prefixes ({} of at most {}; read in {:.2} s) (--kv-store)",
+        dir.display(),
+        st.files,
+        kvq_engine::error::human_bytes(st.bytes as usize),
+        kvq_engine::error::human_bytes(max as usize),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(store)
 }
 
 #[cfg(test)]
@@ -362,6 +450,8 @@ mod tests {
             max_waiting: None,
             kv_budget: None,
             prefix_cache: None,
+            kv_store: None,
+            kv_store_max: None,
             max_body_bytes: None,
             max_n: None,
             default_kv_cache_method: None,
