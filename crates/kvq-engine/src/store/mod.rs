@@ -283,7 +283,10 @@ impl KvStore {
             let index = lock(&self.index);
             index.entries.iter().find(|e| e.stem == stem)?.meta.clone()
         };
+        let started = std::time::Instant::now();
+        let mut read_s = 0.0;
         let restored = file::read_state(&self.dir, stem, &meta).and_then(|state| {
+            read_s = started.elapsed().as_secs_f64();
             LayerCaches::restore(factory, geoms, state, device).map_err(|e| e.to_string())
         });
         let mut index = lock(&self.index);
@@ -320,7 +323,13 @@ impl KvStore {
         {
             tracing::debug!("kv store: could not mark {} used: {e}", js.display());
         }
-        tracing::debug!("kv store: restored {stem} ({} tokens)", meta.tokens.len());
+        tracing::info!(
+            "kv store: restored {stem}: {} tokens, {} in {:.0} ms (read and checked {:.0} ms)",
+            meta.tokens.len(),
+            crate::error::human_bytes(meta.tensor_bytes as usize),
+            started.elapsed().as_secs_f64() * 1e3,
+            read_s * 1e3
+        );
         Some((caches, meta.tokens, (meta.prefilled, meta.exact)))
     }
 
