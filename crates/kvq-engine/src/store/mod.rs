@@ -9,8 +9,9 @@
 //! a request can use it, and its tensors are restored only after their length and SHA-256
 //! matched and the caches accepted the state (`KvCache::restore_state` checks every shape and
 //! count); a file that fails is removed with a log line and the request prefills as usual.
-//! Files are written on a thread of their own, so an eviction never waits for the disk; the
-//! bytes on disk stay within `max_bytes`, least recently saved or used removed first.
+//! Files are written on a thread of their own, so an eviction waits for the disk only when
+//! [`QUEUED`] states are already waiting; the bytes on disk stay within `max_bytes`, least
+//! recently saved or used removed first.
 //!
 //! Invariant: every index entry has had its metadata read and checked against this server,
 //! and its tensor file had the length the metadata names when the entry was made.
@@ -55,6 +56,9 @@ pub struct StoreStats {
     pub skipped: u64,
 }
 
+/// Prefix states copied to the host and waiting to be written, at most.
+const QUEUED: usize = 2;
+
 /// One saved prefix.
 struct Stored {
     stem: String,
@@ -91,7 +95,9 @@ pub struct KvStore {
     chunk: usize,
     n_layers: usize,
     index: Arc<Mutex<Index>>,
-    writer: Mutex<mpsc::Sender<Msg>>,
+    /// At most [`QUEUED`] states wait for the writer: past that an eviction waits for the
+    /// disk rather than hold more host copies than the KV budget counts.
+    writer: Mutex<mpsc::SyncSender<Msg>>,
 }
 
 impl std::fmt::Debug for KvStore {
@@ -180,7 +186,7 @@ impl KvStore {
         }
         evict_to(&dir, &mut index, config.max_bytes);
         let index = Arc::new(Mutex::new(index));
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(QUEUED);
         let (wdir, windex, max) = (dir.clone(), index.clone(), config.max_bytes);
         std::thread::Builder::new()
             .name("kvq-store".into())
