@@ -4,6 +4,8 @@
 # role, one chunk carries the finish_reason, and the stream ends with `data: [DONE]`.
 # Usage: curl_sse.sh BASE_URL
 set -euo pipefail
+# Every exit says why: a failing command under `set -e` would otherwise end the script silently.
+trap 'rc=$?; echo "FAIL: line $LINENO: \"$BASH_COMMAND\" exited with $rc"' ERR
 base="$1"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
@@ -20,11 +22,12 @@ bad=$(grep -v '^$' "$out" | grep -cv '^data: ' || true)
 [ "$bad" -eq 0 ] || fail "$bad lines are not 'data: ' lines"
 [ "$(grep -v '^$' "$out" | tail -n1)" = "data: [DONE]" ] || fail "the stream does not end with data: [DONE]"
 data=$(grep '^data: {' "$out" | sed 's/^data: //')
-first=$(echo "$data" | head -n1)
-echo "$first" | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["object"]=="chat.completion.chunk"; assert d["choices"][0]["delta"]["role"]=="assistant"' \
-  || fail "first chunk does not carry the assistant role"
-finishes=$(echo "$data" | python3 -c 'import json,sys; print(sum(1 for l in sys.stdin if json.loads(l)["choices"] and json.loads(l)["choices"][0]["finish_reason"]))')
+# Here-strings, not `echo | head`: head closing the pipe early must not fail the pipeline.
+first=$(head -n1 <<<"$data")
+python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["object"]=="chat.completion.chunk"; assert d["choices"][0]["delta"]["role"]=="assistant"' \
+  <<<"$first" || fail "first chunk does not carry the assistant role"
+finishes=$(python3 -c 'import json,sys; print(sum(1 for l in sys.stdin if json.loads(l)["choices"] and json.loads(l)["choices"][0]["finish_reason"]))' <<<"$data")
 [ "$finishes" -eq 1 ] || fail "expected one finish_reason chunk, got $finishes"
 # Events are separated by exactly one blank line.
 awk 'NF==0{blank++; next} {if (NR>1 && blank!=1) exit 1; blank=0}' "$out" || fail "events are not separated by single blank lines"
-echo "curl SSE stream ok ($(echo "$data" | wc -l) chunks)"
+echo "curl SSE stream ok ($(wc -l <<<"$data") chunks)"
