@@ -4,6 +4,10 @@ use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
 use serde::Deserialize;
 
+/// More layers than any released model (the largest have about 130): a bigger count is a
+/// damaged file.
+pub const MAX_LAYERS: usize = 1024;
+
 /// Everything the model definition needs to know about its shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -204,6 +208,7 @@ impl ModelConfig {
         }
     }
 
+    /// Checks the counts a damaged file could make absurd before anything is sized by them.
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(ModelError::Invalid(m.to_string()));
         if self.n_heads == 0
@@ -217,6 +222,12 @@ impl ModelConfig {
         }
         if self.n_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return bad("layers, hidden size and vocabulary must be positive");
+        }
+        if self.n_layers > MAX_LAYERS {
+            return Err(ModelError::Invalid(format!(
+                "{} layers is more than any known model has (at most {MAX_LAYERS})",
+                self.n_layers
+            )));
         }
         Ok(())
     }
@@ -262,6 +273,21 @@ mod tests {
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.n_kv_heads, 2);
         assert!(!c.rope_interleaved);
+    }
+
+    #[test]
+    fn an_absurd_layer_count_is_refused_before_anything_is_sized_by_it() {
+        // A fuzzed GGUF with block_count near 2^40 once made the loader allocate terabytes.
+        let with = |n: usize| {
+            ModelConfig::from_hf_json(&format!(
+                r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+                "num_hidden_layers":{n},"num_attention_heads":4,"num_key_value_heads":2,
+                "vocab_size":100,"max_position_embeddings":256}}"#
+            ))
+        };
+        assert!(with(MAX_LAYERS).is_ok());
+        let err = with(1 << 40).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("more than any known model"), "{err}");
     }
 
     #[test]

@@ -55,7 +55,9 @@ impl Model {
         let total = cfg.n_layers as u64 + 2;
         let embed = weights.embedding("token_embd.weight")?;
         progress(1, total);
-        let mut layers = Vec::with_capacity(cfg.n_layers);
+        // Grown, not preallocated: the count comes from the file, and an absurd one must fail
+        // on its first missing tensor, not on a terabyte allocation.
+        let mut layers = Vec::new();
         for i in 0..cfg.n_layers {
             layers.push(family.layer(&cfg, weights, i)?);
             progress(i as u64 + 2, total);
