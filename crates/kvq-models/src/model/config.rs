@@ -286,7 +286,10 @@ mod tests {
             ))
         };
         assert!(with(MAX_LAYERS).is_ok());
-        let err = with(1 << 40).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = with(1 << 40)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("more than any known model"), "{err}");
     }
 
