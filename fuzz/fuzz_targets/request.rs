@@ -1,16 +1,19 @@
 //! Fuzz target: a request body (optionally after a `\x01<x-kv-cache-method value>\n` prefix)
 //! through everything the chat and completions handlers do before the engine: JSON parsing,
-//! validation, cache selection, template rendering and tokenization. Every rejection must be a
+//! validation, cache selection, template rendering and tokenization, and a `response_format`'s
+//! grammar compiled and followed for a few tokens. Every rejection must be a
 //! 4xx with OpenAI's error shape; nothing may panic.
 #![no_main]
 
 use axum::http::{HeaderMap, HeaderValue};
-use kvq_fuzz::{check_error, registry, template, tokenizer};
+use kvq_engine::grammar::Followed;
+use kvq_fuzz::{check_error, grammar, registry, template, tokenizer};
 use kvq_server::ServerLimits;
 use kvq_server::cache_select::resolve_cache;
 use kvq_server::extract::parse_json;
 use kvq_server::openai::{ChatCompletionRequest, CompletionRequest};
 use kvq_server::routes::chat::render_and_encode_with;
+use kvq_server::validate::format::schema_error;
 use kvq_server::validate::{check_token_ids, prompt, validate_chat, validate_completion};
 use libfuzzer_sys::fuzz_target;
 
@@ -41,6 +44,12 @@ fuzz_target!(|data: &[u8]| {
                     Err(e) => check_error(&e),
                     Ok(ids) => assert!(!ids.is_empty(), "a rendered chat has tokens"),
                 }
+                if let Some(spec) = &v.params.response_format {
+                    match grammar().compile(spec) {
+                        Err(e) => check_error(&schema_error(e)),
+                        Ok(c) => follow_a_few_tokens(c),
+                    }
+                }
             }
         },
     }
@@ -64,3 +73,22 @@ fuzz_target!(|data: &[u8]| {
         },
     }
 });
+
+/// Masks and follows the first allowed token a few times, as the worker's decode steps do; a
+/// grammar error ends it (the worker fails that one sequence), nothing may panic.
+fn follow_a_few_tokens(mut c: kvq_engine::Constraint) {
+    let mut logits = vec![0.0f32; tokenizer().vocab_size()];
+    for _ in 0..8 {
+        logits.fill(0.0);
+        if c.mask(&mut logits).is_err() {
+            return;
+        }
+        let Some(id) = logits.iter().position(|l| l.is_finite()) else {
+            panic!("mask succeeded but allowed nothing");
+        };
+        match c.follow(id as u32) {
+            Ok(Followed::Open) => {}
+            Ok(Followed::Complete) | Err(_) => return,
+        }
+    }
+}

@@ -59,6 +59,16 @@ pub fn template() -> &'static ChatTemplate {
     &real().template
 }
 
+/// The grammar compiler for SmolLM2's vocabulary (what a server builds on its first structured
+/// request).
+pub fn grammar() -> &'static kvq_engine::GrammarCompiler {
+    static COMPILER: OnceLock<kvq_engine::GrammarCompiler> = OnceLock::new();
+    COMPILER.get_or_init(|| {
+        kvq_engine::GrammarCompiler::new(Arc::clone(tokenizer()))
+            .expect("SmolLM2's vocabulary carries a grammar")
+    })
+}
+
 /// The built-in methods plus the presets shipped in `configs/cache`.
 pub fn registry() -> &'static kvq_cache::CacheRegistry {
     static REGISTRY: OnceLock<kvq_cache::CacheRegistry> = OnceLock::new();

@@ -38,6 +38,7 @@ fn check_golden(path: &Path, method: &str, prefix: Option<usize>, logit_tol: f32
             sampling: SamplingParams::greedy(),
             stop: vec![],
             stop_on_eos: true,
+            constraint: None,
             logprobs: Some(5),
             cache: registry
                 .resolve(&CacheSpec {

@@ -41,6 +41,7 @@ fn request(seed: u32, cache: ResolvedCache) -> GenerationRequest {
         sampling: SamplingParams::greedy(),
         stop: Vec::new(),
         stop_on_eos: false,
+        constraint: None,
         logprobs: None,
         cache,
     }

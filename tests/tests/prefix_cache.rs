@@ -58,6 +58,7 @@ fn run(
         sampling: SamplingParams::greedy(),
         stop: Vec::new(),
         stop_on_eos: false,
+        constraint: None,
         logprobs: Some(0),
         cache,
     };

@@ -93,6 +93,7 @@ fn request(prompt: &[u32], cache: ResolvedCache) -> GenerationRequest {
         sampling: SamplingParams::greedy(),
         stop: Vec::new(),
         stop_on_eos: false,
+        constraint: None,
         logprobs: None,
         cache,
     }

@@ -195,6 +195,7 @@ fn first_use_calibration_runs_once_is_saved_and_found() {
                 sampling: SamplingParams::greedy(),
                 stop: vec![],
                 stop_on_eos: false,
+                constraint: None,
                 logprobs: None,
                 cache,
             })

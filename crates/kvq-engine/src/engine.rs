@@ -2,6 +2,7 @@
 //! thread (`worker.rs`) that owns the model.
 
 use crate::EngineError;
+use crate::grammar::{Constraint, GrammarCompiler, GrammarError, GrammarSpec};
 use crate::request::{GenerationRequest, GenerationStream};
 use crate::store::{KvStore, StoreStats};
 use crate::worker::{Job, Msg, Worker};
@@ -9,7 +10,7 @@ use kvq_cache::{CacheGeometry, LayerCaches, ResolvedCache};
 use kvq_models::{ChatTemplate, LoadedModel, ModelInfo, Tokenizer};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::Instant;
 
 /// Scheduler limits.
@@ -110,6 +111,8 @@ struct Inner {
     geoms: Vec<CacheGeometry>,
     jobs: Mutex<mpsc::Sender<Msg>>,
     shared: Arc<Shared>,
+    /// Built on the first request with a response format.
+    grammars: OnceLock<Result<GrammarCompiler, GrammarError>>,
 }
 
 impl Engine {
@@ -147,6 +150,7 @@ impl Engine {
                 geoms,
                 jobs: Mutex::new(tx),
                 shared,
+                grammars: OnceLock::new(),
             }),
         }
     }
@@ -159,6 +163,19 @@ impl Engine {
     /// The model's tokenizer.
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.inner.tokenizer
+    }
+
+    /// A constraint for `spec` over this model's vocabulary. The first call builds the
+    /// vocabulary's token trie (tens of milliseconds); call it off the async runtime.
+    pub fn compile_grammar(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
+        let compiler = self
+            .inner
+            .grammars
+            .get_or_init(|| GrammarCompiler::new(self.inner.tokenizer.clone()));
+        match compiler {
+            Ok(c) => c.compile(spec),
+            Err(e) => Err(e.clone()),
+        }
     }
 
     /// The model's chat template (ChatML when the model has none).

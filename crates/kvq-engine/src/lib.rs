@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod grammar;
 mod prefix;
 mod release;
 pub mod request;
@@ -14,6 +15,7 @@ mod worker;
 
 pub use engine::{DEFAULT_PREFIX_CACHE, Engine, EngineConfig, EngineStats};
 pub use error::EngineError;
+pub use grammar::{Constraint, GrammarCompiler, GrammarError, GrammarSpec};
 pub use request::{
     FinishReason, GenerationEvent, GenerationRequest, GenerationStream, LogprobInfo,
     SamplingParams, TopLogprob, Usage,

@@ -1,6 +1,7 @@
 //! What a client hands the engine (`GenerationRequest`) and what it gets back (a stream of `GenerationEvent`s).
 
 use crate::EngineError;
+use crate::grammar::Constraint;
 use kvq_cache::ResolvedCache;
 use std::time::Duration;
 
@@ -68,6 +69,8 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// The KV cache method to build this sequence's cache with.
     pub cache: ResolvedCache,
+    /// `Some`: every pick is masked to this grammar and generation stops when it completes.
+    pub constraint: Option<Constraint>,
 }
 
 /// One alternative in `top_logprobs`.
@@ -125,6 +128,9 @@ pub struct Usage {
     pub time_to_first_token: Duration,
     /// From the first to the last generated token.
     pub decode_time: Duration,
+    /// With a response format: time spent masking and following the grammar, and the masks
+    /// computed (one per generated token).
+    pub grammar: Option<(Duration, u64)>,
 }
 
 /// What the engine sends back, in order: `Delta`s, then exactly one `Finished` or `Error`.

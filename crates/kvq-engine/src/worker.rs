@@ -5,6 +5,7 @@
 //! (`prefix.rs`), from which a later prompt with the same first tokens continues.
 
 use crate::engine::{EngineConfig, Shared};
+use crate::grammar::{Constraint, Followed};
 use crate::prefix::{self, MIN_REUSE, PrefixCache, REWIND};
 use crate::request::{
     FinishReason, GenerationEvent, GenerationRequest, LogprobInfo, TopLogprob, Usage,
@@ -47,6 +48,8 @@ struct Seq {
     prefilled: usize,
     generated: Vec<u32>,
     sampler: Sampler,
+    /// The response format's grammar, if the request has one.
+    constraint: Option<Constraint>,
     decoder: IncrementalDecoder,
     stop: StopMatcher,
     first_token: Option<Instant>,
@@ -336,7 +339,7 @@ impl Worker {
             {
                 break;
             }
-            let Some(job) = self.waiting.pop_front() else {
+            let Some(mut job) = self.waiting.pop_front() else {
                 break;
             };
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -347,6 +350,7 @@ impl Worker {
                         .kv_need
                         .max(caches.reserve_bytes(total, self.config.prefill_chunk.max(1)));
                     let sampler = Sampler::new(&job.req.sampling);
+                    let constraint = job.req.constraint.take();
                     let stop = StopMatcher::new(&job.req.stop);
                     let decoder = IncrementalDecoder::new(self.tokenizer.clone(), true);
                     self.running.push(Seq {
@@ -355,6 +359,7 @@ impl Worker {
                         prefilled: cached,
                         generated: Vec::new(),
                         sampler,
+                        constraint,
                         decoder,
                         stop,
                         first_token: None,
@@ -519,8 +524,22 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> After {
         let raw = logits.clone();
         (raw, top)
     });
+    if let Some(c) = seq.constraint.as_mut()
+        && let Err(e) = c.mask(&mut logits)
+    {
+        return fail(seq, format!("response_format: {e}"));
+    }
     let id = seq.sampler.sample(&mut logits, &req.prompt, &seq.generated);
     seq.generated.push(id);
+    let eos_token = tok.eos_token_ids().contains(&id);
+    // A grammar ends the reply when it completes; an end of sequence it allowed ends it too.
+    let mut grammar_done = false;
+    if let Some(c) = seq.constraint.as_mut() {
+        match c.follow(id) {
+            Ok(followed) => grammar_done = followed == Followed::Complete || eos_token,
+            Err(e) => return fail(seq, format!("response_format: {e}")),
+        }
+    }
     let now = Instant::now();
     seq.first_token.get_or_insert(now);
     let logprob = lp.map(|(raw, top)| {
@@ -541,28 +560,23 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> After {
                 .collect(),
         }
     });
-    let is_eos = req.stop_on_eos && tok.eos_token_ids().contains(&id);
+    let req = &seq.job.req;
+    let is_eos = (req.stop_on_eos || seq.constraint.is_some()) && eos_token;
     let text = if is_eos {
         String::new()
     } else {
         match seq.decoder.push(id) {
             Ok(t) => t,
-            Err(e) => {
-                let _ = seq
-                    .job
-                    .events
-                    .send(GenerationEvent::Error(EngineError::Internal(e.to_string())));
-                return After::Failed;
-            }
+            Err(e) => return fail(seq, e.to_string()),
         }
     };
     let (text, stopped) = match seq.stop.push(&text) {
-        StopOutcome::Emit(t) => (t, is_eos),
+        StopOutcome::Emit(t) => (t, is_eos || grammar_done),
         StopOutcome::Stopped(t) => (t, true),
     };
     let at_limit = seq.generated.len() >= seq.job.max_tokens;
     let mut text = text;
-    if !stopped && at_limit {
+    if grammar_done || (!stopped && at_limit) {
         text.push_str(&seq.decoder.flush().unwrap_or_default());
         text.push_str(&seq.stop.flush());
     }
@@ -583,6 +597,7 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> After {
         kv_cache_method: req.cache.name.clone(),
         time_to_first_token: first.duration_since(seq.job.submitted),
         decode_time: now.duration_since(first),
+        grammar: seq.constraint.as_ref().map(Constraint::cost),
     };
     let reason = if stopped {
         FinishReason::Stop
@@ -594,4 +609,13 @@ fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -> After {
         .events
         .send(GenerationEvent::Finished { reason, usage });
     After::Ended
+}
+
+/// Ends `seq` with an internal error event.
+fn fail(seq: &mut Seq, msg: String) -> After {
+    let _ = seq
+        .job
+        .events
+        .send(GenerationEvent::Error(EngineError::Internal(msg)));
+    After::Failed
 }

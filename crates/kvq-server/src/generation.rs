@@ -9,8 +9,8 @@ use futures::{Stream, StreamExt};
 use kvq_cache::{CacheRegistry, CacheSpec, ResolvedCache};
 use kvq_engine::error::human_bytes;
 use kvq_engine::{
-    Engine, EngineError, FinishReason, GenerationEvent, GenerationRequest, GenerationStream,
-    LogprobInfo, Usage,
+    Constraint, Engine, EngineError, FinishReason, GenerationEvent, GenerationRequest,
+    GenerationStream, LogprobInfo, Usage,
 };
 use rand::Rng;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -39,6 +39,7 @@ pub fn generation_request(
     params: &ValidatedParams,
     cache: ResolvedCache,
     index: usize,
+    constraint: Option<&Constraint>,
 ) -> GenerationRequest {
     let mut sampling = params.sampling.clone();
     if let Some(seed) = sampling.seed {
@@ -52,6 +53,7 @@ pub fn generation_request(
         stop_on_eos: !params.ignore_eos,
         logprobs: params.logprobs,
         cache,
+        constraint: constraint.cloned(),
     }
 }
 
@@ -65,10 +67,11 @@ pub fn submit_all(
     params: &ValidatedParams,
     cache: &ResolvedCache,
     prompt_param: &str,
+    constraint: Option<&Constraint>,
 ) -> Result<Vec<GenerationStream>, ApiError> {
     (0..params.n.max(1))
         .map(|i| {
-            let req = generation_request(prompt.to_vec(), params, cache.clone(), i);
+            let req = generation_request(prompt.to_vec(), params, cache.clone(), i, constraint);
             engine.submit(req).map_err(|e| match e {
                 EngineError::ExceedsBudget { budget, tokens, .. } => {
                     let fits = methods_that_fit(engine, registry, tokens, budget);

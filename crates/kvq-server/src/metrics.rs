@@ -30,9 +30,13 @@ pub const KV_STORE_BYTES: &str = "kvq_kv_store_bytes";
 pub const KV_STORE_LOADS: &str = "kvq_kv_store_restored_total";
 pub const KV_STORE_SAVES: &str = "kvq_kv_store_saved_total";
 pub const KV_STORE_SKIPPED: &str = "kvq_kv_store_skipped_total";
+pub const GRAMMAR_MASK_SECONDS: &str = "kvq_grammar_mask_seconds";
 
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const MASK_BUCKETS: &[f64] = &[
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
 ];
 const TPS_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0,
@@ -52,6 +56,12 @@ pub fn install_metrics() -> PrometheusHandle {
                     b.set_buckets_for_metric(
                         Matcher::Full(DECODE_TOKENS_PER_SECOND.into()),
                         TPS_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(GRAMMAR_MASK_SECONDS.into()),
+                        MASK_BUCKETS,
                     )
                 })
                 .unwrap_or_else(|_| PrometheusBuilder::new());
@@ -133,6 +143,12 @@ fn describe() {
         metrics::Unit::Bytes,
         "Bytes the KV store's files take (at most --kv-store-max)"
     );
+    metrics::describe_histogram!(
+        GRAMMAR_MASK_SECONDS,
+        metrics::Unit::Seconds,
+        "Per request with a response_format: mean time per generated token spent masking the \
+         logits to the grammar and following it"
+    );
     metrics::describe_counter!(KV_STORE_LOADS, "Saved prefixes restored from the KV store");
     metrics::describe_counter!(KV_STORE_SAVES, "Held prefixes written to the KV store");
     metrics::describe_counter!(
@@ -161,6 +177,11 @@ pub fn record_usage(usage: &Usage) {
     metrics::histogram!(TIME_TO_FIRST_TOKEN).record(usage.time_to_first_token.as_secs_f64());
     if let Some(tps) = decode_tokens_per_second(usage) {
         metrics::histogram!(DECODE_TOKENS_PER_SECOND).record(tps);
+    }
+    if let Some((time, masks)) = usage.grammar
+        && masks > 0
+    {
+        metrics::histogram!(GRAMMAR_MASK_SECONDS).record(time.as_secs_f64() / masks as f64);
     }
 }
 

@@ -31,6 +31,7 @@ fn usage(completion: usize) -> Usage {
         kv_cache_method: "fp16".into(),
         time_to_first_token: Duration::from_millis(10),
         decode_time: Duration::from_millis(100),
+        grammar: None,
     }
 }
 

@@ -211,6 +211,8 @@ fn lenient_undefined_and_missing_tokens() {
 
 #[test]
 fn tojson_like_python() {
+    // transformers renders with `json.dumps(..., sort_keys=False)`: keys keep the client's order
+    // (serde_json's preserve_order, set for the whole workspace).
     let src = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ messages | tojson }}|{{ 'é<' | tojson }}";
     let t = ChatTemplate::new(src, None, None).unwrap();
     let extra = serde_json::json!({"tools": [{"name": "get_weather", "parameters": {"city": "string", "days": 3, "x": 1.5, "ok": true, "n": null}}]});
@@ -220,11 +222,11 @@ fn tojson_like_python() {
     let parts: Vec<&str> = out.split('|').collect();
     assert_eq!(
         parts[0],
-        r#"[{"name": "get_weather", "parameters": {"city": "string", "days": 3, "n": null, "ok": true, "x": 1.5}}]"#
+        r#"[{"name": "get_weather", "parameters": {"city": "string", "days": 3, "x": 1.5, "ok": true, "n": null}}]"#
     );
     assert_eq!(
         parts[1],
-        "{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"string\",\n    \"days\": 3,\n    \"n\": null,\n    \"ok\": true,\n    \"x\": 1.5\n  }\n}"
+        "{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"string\",\n    \"days\": 3,\n    \"x\": 1.5,\n    \"ok\": true,\n    \"n\": null\n  }\n}"
     );
     assert_eq!(parts[2], r#"[{"role": "user", "content": "hi \"you\""}]"#);
     assert_eq!(parts[3], r#""é<""#);

@@ -99,6 +99,7 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
             Vec::new()
         },
         stop_on_eos: true,
+        constraint: None,
         logprobs: None,
         cache,
     };

@@ -3,7 +3,7 @@
 //! stay JSON values. A field OpenAI's API does not define (nor kvq's `top_k`, `min_p`,
 //! `repetition_penalty`, `kv_cache`) is a 400 naming it, as OpenAI answers. Of the fields OpenAI
 //! defines, those that cannot change the answer are accepted and ignored (`user`, `metadata`,
-//! `store`, ...), and those kvq does not implement yet (`tools`, JSON `response_format`, ...)
+//! `store`, ...), and those kvq does not implement yet (`tools`, ...)
 //! are refused by `crate::validate::unsupported`. `crate::validate` turns them into checked
 //! values.
 

@@ -11,6 +11,7 @@ use crate::openai::{
 use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_header};
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
+use crate::validate::format::schema_error;
 use crate::validate::{Message, validate_chat};
 use axum::Json;
 use axum::extract::State;
@@ -65,7 +66,15 @@ pub async fn chat_completions(
     let cache = resolve_cache(&state.registry, &headers, v.params.kv_cache.as_ref())?;
     let engine = state.engine.clone();
     let messages = v.messages.clone();
-    let prompt = tokenize_blocking(move || render_and_encode(&engine, &messages)).await?;
+    let format = v.params.response_format.clone();
+    let (prompt, constraint) = tokenize_blocking(move || {
+        // Compiling a schema can take milliseconds; an unsupported one is a 400.
+        let constraint = format
+            .map(|f| engine.compile_grammar(&f).map_err(schema_error))
+            .transpose()?;
+        Ok((render_and_encode(&engine, &messages)?, constraint))
+    })
+    .await?;
     let rxs = submit_all(
         &state.engine,
         &state.registry,
@@ -73,6 +82,7 @@ pub async fn chat_completions(
         &v.params,
         &cache,
         PROMPT_PARAM,
+        constraint.as_ref(),
     )?;
     let id = new_id("chatcmpl-");
     let created = unix_now();

@@ -71,6 +71,7 @@ pub async fn completions(
         &v.params,
         &cache,
         PROMPT_PARAM,
+        None,
     )?;
     let id = new_id("cmpl-");
     let created = unix_now();

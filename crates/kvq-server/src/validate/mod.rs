@@ -3,6 +3,7 @@
 //! is needed, so every bad-input case is unit-tested here.
 
 pub mod fields;
+pub mod format;
 #[cfg(test)]
 mod tests;
 pub mod unsupported;
@@ -72,6 +73,8 @@ pub struct ValidatedParams {
     pub kv_cache: Option<CacheSpec>,
     /// Generate past the EOS token, up to `max_tokens` (vLLM's and llama.cpp's `ignore_eos`).
     pub ignore_eos: bool,
+    /// `response_format`'s grammar (chat only); `None`: free text.
+    pub response_format: Option<kvq_engine::GrammarSpec>,
 }
 
 /// A checked `/v1/chat/completions` request.
@@ -211,6 +214,7 @@ pub fn validate_chat(
             include_usage: include_usage(stream, req.stream_options.as_ref()),
             kv_cache: fields::kv_cache(req.kv_cache.as_ref())?,
             ignore_eos: req.ignore_eos.unwrap_or(false),
+            response_format: format::response_format(req.response_format.as_ref())?,
         },
     })
 }
@@ -311,6 +315,7 @@ pub fn validate_completion(
             include_usage: include_usage(stream, req.stream_options.as_ref()),
             kv_cache: fields::kv_cache(req.kv_cache.as_ref())?,
             ignore_eos: req.ignore_eos.unwrap_or(false),
+            response_format: None,
         },
     })
 }

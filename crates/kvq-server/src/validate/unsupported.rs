@@ -3,7 +3,6 @@
 //! so that no field that would change the answer is ever silently dropped. README's "OpenAI
 //! request fields" table lists the same three groups.
 
-use super::fields::kind;
 use crate::error::ApiError;
 use crate::openai::{ChatCompletionRequest, InputMessage};
 use serde_json::Value;
@@ -77,7 +76,6 @@ pub fn check_chat(req: &ChatCompletionRequest) -> Result<(), ApiError> {
             format!("'function_call' other than \"none\" is not supported. {tools_later}"),
         ));
     }
-    response_format(req.response_format.as_ref())?;
     modalities(req.modalities.as_ref())?;
     if !absent(&req.audio) {
         return Err(refuse(
@@ -150,44 +148,6 @@ fn message(i: usize, m: &InputMessage) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `response_format`: `{"type": "text"}` is what kvq does; JSON modes are refused until
-/// constrained decoding lands.
-fn response_format(v: Option<&Value>) -> Result<(), ApiError> {
-    let obj = match v {
-        None | Some(Value::Null) => return Ok(()),
-        Some(Value::Object(obj)) => obj,
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!(
-                    "'response_format' must be an object like {{\"type\": \"text\"}}; got {}.",
-                    kind(other)
-                ),
-            ));
-        }
-    };
-    match obj.get("type") {
-        Some(Value::String(t)) if t == "text" => Ok(()),
-        Some(Value::String(t)) if t == "json_object" || t == "json_schema" => Err(refuse(
-            "response_format",
-            format!(
-                "'response_format' of type '{t}' (structured outputs) is not supported by this \
-                 server yet; only {{\"type\": \"text\"}} is."
-            ),
-        )),
-        Some(Value::String(t)) => Err(ApiError::invalid(
-            "response_format.type",
-            format!(
-                "'response_format.type' must be 'text', 'json_object' or 'json_schema'; got '{t}'."
-            ),
-        )),
-        _ => Err(ApiError::invalid(
-            "response_format.type",
-            "'response_format.type' is required and must be a string.",
-        )),
-    }
-}
-
 /// `modalities`: only `["text"]`.
 fn modalities(v: Option<&Value>) -> Result<(), ApiError> {
     match v {
@@ -232,15 +192,6 @@ mod tests {
             (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": "auto"}), "function_call"),
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
-                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                    "schema": {}}}}),
-                "response_format",
-            ),
             (json!({"modalities": ["text", "audio"]}), "modalities"),
             (
                 json!({"audio": {"voice": "alloy", "format": "wav"}}),
@@ -274,10 +225,6 @@ mod tests {
                     .contains(param.rsplit('.').next().unwrap_or(param))
             );
         }
-        // A malformed response_format is a plain invalid request on its type.
-        let err = chat(json!({"response_format": {"type": "yaml"}})).unwrap_err();
-        assert_eq!(err.param(), Some("response_format.type"));
-        assert_eq!(err.code(), None);
     }
 
     /// What does not change the answer, and the neutral forms of the refused fields, pass.
