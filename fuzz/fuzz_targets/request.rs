@@ -1,7 +1,8 @@
 //! Fuzz target: a request body (optionally after a `\x01<x-kv-cache-method value>\n` prefix)
 //! through everything the chat and completions handlers do before the engine: JSON parsing,
-//! validation, cache selection, template rendering and tokenization, and a `response_format`'s
-//! grammar compiled and followed for a few tokens. Every rejection must be a
+//! validation, cache selection, the tool checks, template rendering (with the tools) and
+//! tokenization, and a `response_format`'s or forced tool call's grammar compiled and followed
+//! for a few tokens. Every rejection must be a
 //! 4xx with OpenAI's error shape; nothing may panic.
 #![no_main]
 
@@ -12,7 +13,8 @@ use kvq_server::ServerLimits;
 use kvq_server::cache_select::resolve_cache;
 use kvq_server::extract::parse_json;
 use kvq_server::openai::{ChatCompletionRequest, CompletionRequest};
-use kvq_server::routes::chat::render_and_encode_with;
+use kvq_server::routes::chat::{check_tools, render_and_encode_with};
+use kvq_server::tool_calls::{ToolMode, ToolStream, parse_reply};
 use kvq_server::validate::format::schema_error;
 use kvq_server::validate::{check_token_ids, prompt, validate_chat, validate_completion};
 use libfuzzer_sys::fuzz_target;
@@ -40,15 +42,33 @@ fuzz_target!(|data: &[u8]| {
                 if let Err(e) = resolve_cache(registry(), &headers, v.params.kv_cache.as_ref()) {
                     check_error(&e);
                 }
-                match render_and_encode_with(template(), tokenizer(), &v.messages) {
+                if let Err(e) = check_tools(
+                    template(),
+                    v.tools.as_ref(),
+                    v.params.response_format.is_some(),
+                ) {
+                    check_error(&e);
+                }
+                match render_and_encode_with(template(), tokenizer(), &v.messages, v.tools.as_ref())
+                {
                     Err(e) => check_error(&e),
                     Ok(ids) => assert!(!ids.is_empty(), "a rendered chat has tokens"),
                 }
-                if let Some(spec) = &v.params.response_format {
+                let spec = v.params.response_format.clone().or_else(|| {
+                    v.tools
+                        .as_ref()
+                        .and_then(kvq_server::validate::tools::ToolPlan::call_grammar)
+                });
+                if let Some(spec) = &spec {
                     match grammar().compile(spec) {
                         Err(e) => check_error(&schema_error(e)),
                         Ok(c) => follow_a_few_tokens(c),
                     }
+                }
+                if let (Some(mode), Some(last)) =
+                    (ToolMode::of(v.tools.as_ref()), v.messages.last())
+                {
+                    parse_as_a_reply(&mode, &last.content);
                 }
             }
         },
@@ -91,4 +111,25 @@ fn follow_a_few_tokens(mut c: kvq_engine::Constraint) {
             Ok(Followed::Complete) | Err(_) => return,
         }
     }
+}
+
+/// The last message's text as if the model had replied it: streamed in pieces of 3 bytes (at
+/// char boundaries), it must give the calls the whole reply gives.
+fn parse_as_a_reply(mode: &ToolMode, text: &str) {
+    let (_, whole) = parse_reply(text, mode);
+    let mut stream = ToolStream::new(mode.clone());
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + 3).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        let _ = stream.push(&text[start..end]);
+        start = end;
+    }
+    let (_, streamed) = stream.finish();
+    assert_eq!(
+        streamed, whole,
+        "a streamed reply's calls differ from the whole reply's"
+    );
 }

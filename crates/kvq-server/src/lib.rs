@@ -15,6 +15,7 @@ pub mod routes;
 pub mod server;
 pub mod sse;
 pub mod state;
+pub mod tool_calls;
 pub mod validate;
 
 pub use error::ApiError;

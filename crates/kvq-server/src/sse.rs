@@ -5,8 +5,9 @@
 use crate::error::ApiError;
 use crate::openai::{
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, ChatLogprobs, CompletionChoice,
-    CompletionLogprobs, TextCompletion, UsageOut,
+    CompletionLogprobs, TextCompletion, ToolCallDelta, UsageOut,
 };
+use crate::tool_calls::{ParsedCall, ToolMode, ToolStream};
 use axum::response::IntoResponse;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
@@ -70,6 +71,8 @@ struct ChoiceState {
     pending_logprobs: Vec<LogprobInfo>,
     /// Legacy `text_offset` of the next token.
     text_offset: usize,
+    /// Tool-call detection (chat with tools): holds back what may be a call.
+    tools: Option<ToolStream>,
 }
 
 /// Turns engine events (tagged with their choice index) into chunks, in OpenAI's order: role
@@ -110,6 +113,45 @@ impl ChunkWriter {
             usage: None,
             done: false,
         }
+    }
+
+    /// Replies are searched for tool calls in `mode`'s syntax: a call is sent whole as
+    /// `delta.tool_calls` when the choice ends, with `finish_reason: "tool_calls"`.
+    pub fn with_tools(mut self, mode: Option<ToolMode>) -> Self {
+        if let Some(mode) = mode.filter(|_| self.kind == StreamKind::Chat) {
+            for c in &mut self.choices {
+                c.tools = Some(ToolStream::new(mode.clone()));
+            }
+        }
+        self
+    }
+
+    /// The chunk carrying choice `index`'s calls.
+    fn tool_chunk(&mut self, index: usize, calls: Vec<ParsedCall>) -> SseItem {
+        let infos = self
+            .choices
+            .get_mut(index)
+            .map(|c| std::mem::take(&mut c.pending_logprobs))
+            .unwrap_or_default();
+        let deltas = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, call)| ToolCallDelta {
+                index: i,
+                call: call.into_out(),
+            })
+            .collect();
+        let choice = ChatChunkChoice {
+            index,
+            delta: ChatDelta {
+                role: None,
+                content: None,
+                tool_calls: Some(deltas),
+            },
+            logprobs: self.logprobs.then(|| ChatLogprobs::from_infos(&infos)),
+            finish_reason: None,
+        };
+        self.chat_chunk(vec![choice], self.usage_field())
     }
 
     /// Whether `[DONE]` has been written.
@@ -171,6 +213,7 @@ impl ChunkWriter {
                     delta: ChatDelta {
                         role: None,
                         content: text,
+                        tool_calls: None,
                     },
                     logprobs,
                     finish_reason: finish,
@@ -210,6 +253,7 @@ impl ChunkWriter {
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(String::new()),
+                            tool_calls: None,
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -249,6 +293,10 @@ impl ChunkWriter {
                 {
                     c.pending_logprobs.push(lp);
                 }
+                let text = match self.choices.get_mut(index).and_then(|c| c.tools.as_mut()) {
+                    Some(tools) => tools.push(&text),
+                    None => text,
+                };
                 if text.is_empty() {
                     Vec::new()
                 } else {
@@ -256,7 +304,19 @@ impl ChunkWriter {
                 }
             }
             GenerationEvent::Finished { reason, usage } => {
-                let mut items = vec![self.content_chunk(index, None, Some(reason.as_str()))];
+                let mut items = Vec::new();
+                let mut finish = reason.as_str();
+                if let Some(tools) = self.choices.get_mut(index).and_then(|c| c.tools.take()) {
+                    let (tail, calls) = tools.finish();
+                    if !tail.is_empty() {
+                        items.push(self.content_chunk(index, Some(tail), None));
+                    }
+                    if !calls.is_empty() {
+                        items.push(self.tool_chunk(index, calls));
+                        finish = "tool_calls";
+                    }
+                }
+                items.push(self.content_chunk(index, None, Some(finish)));
                 if let Some(c) = self.choices.get_mut(index) {
                     c.finished = true;
                 }

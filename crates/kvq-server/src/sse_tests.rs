@@ -256,3 +256,52 @@ async fn sse_stream_drops_receivers_when_done_or_dropped() {
     assert_eq!(events.len(), 2);
     assert!(tx.is_closed());
 }
+
+#[test]
+fn a_streamed_tool_call_is_sent_whole_and_finishes_with_tool_calls() {
+    let tools = json!([{"type": "function", "function": {"name": "get_time"}}]);
+    let plan = crate::validate::tools::tool_plan(Some(&tools), None, None).unwrap();
+    let mode = crate::tool_calls::ToolMode::of(plan.as_ref());
+    let mut w = ChunkWriter::new(StreamKind::Chat, meta(), 1, false, false).with_tools(mode);
+    let out = run(
+        &mut w,
+        vec![
+            delta("One moment. <tool"),
+            delta("_call>\n{\"name\": \"get_time\", "),
+            delta("\"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"),
+            finished(FinishReason::Stop, 20),
+        ],
+    );
+    assert_eq!(out.len(), 5, "{out:#?}");
+    assert_eq!(
+        out[1]["choices"][0]["delta"],
+        json!({"content": "One moment. "})
+    );
+    let calls = &out[2]["choices"][0]["delta"]["tool_calls"];
+    assert_eq!(calls[0]["index"], 0);
+    assert_eq!(calls[0]["type"], "function");
+    assert!(
+        calls[0]["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("call_"))
+    );
+    assert_eq!(
+        calls[0]["function"],
+        json!({"name": "get_time", "arguments": "{\"zone\":\"UTC\"}"})
+    );
+    assert_eq!(out[3]["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(out[4], "[DONE]");
+
+    // A reply without a call streams as text and finishes as the engine says.
+    let mut w = ChunkWriter::new(StreamKind::Chat, meta(), 1, false, false)
+        .with_tools(crate::tool_calls::ToolMode::of(plan.as_ref()));
+    let out = run(
+        &mut w,
+        vec![delta("It is noon."), finished(FinishReason::Stop, 4)],
+    );
+    assert_eq!(
+        out[1]["choices"][0]["delta"],
+        json!({"content": "It is noon."})
+    );
+    assert_eq!(out[2]["choices"][0]["finish_reason"], "stop");
+}

@@ -45,11 +45,19 @@ pub const TRANSCRIPT_STOP: &str = "\nQuestion:";
 /// Plain ChatML, for instruction-tuned models that ship no template.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-/// One turn of a conversation, as templates see it (`message['role']`, `message.content`).
+/// One turn of a conversation, as templates see it (`message['role']`, `message.content`, and
+/// for tool use `message.tool_calls` and `message.tool_call_id`, left undefined when absent).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, in transformers' form: `[{"id", "type": "function",
+    /// "function": {"name", "arguments": <object>}}]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -57,6 +65,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }

@@ -9,3 +9,4 @@ pub use response::{
     ChatTokenLogprob, CompletionChoice, CompletionLogprobs, ModelCard, ModelList, ResponseMessage,
     TextCompletion, TopLogprobOut, UsageOut,
 };
+pub use response::{FunctionOut, ToolCallDelta, ToolCallOut};

@@ -3,8 +3,8 @@
 //! stay JSON values. A field OpenAI's API does not define (nor kvq's `top_k`, `min_p`,
 //! `repetition_penalty`, `kv_cache`) is a 400 naming it, as OpenAI answers. Of the fields OpenAI
 //! defines, those that cannot change the answer are accepted and ignored (`user`, `metadata`,
-//! `store`, ...), and those kvq does not implement yet (`tools`, ...)
-//! are refused by `crate::validate::unsupported`. `crate::validate` turns them into checked
+//! `store`, ...), and those kvq does not implement (`functions`, `audio`, ...) are refused by
+//! `crate::validate::unsupported`. `crate::validate` turns them into checked
 //! values.
 
 use serde::Deserialize;
@@ -26,8 +26,9 @@ pub struct InputMessage {
     /// A string, or an array of `{"type": "text", "text": ...}` parts; `null` is empty.
     #[serde(default)]
     pub content: Option<Value>,
-    /// OpenAI's other message fields: `name` and `refusal` are accepted and not used; the tool
-    /// and audio ones are refused (`crate::validate::unsupported`).
+    /// OpenAI's other message fields: `name` and `refusal` are accepted and not used;
+    /// `tool_calls` and `tool_call_id` are checked by `crate::validate::tools`; `function_call`
+    /// and `audio` are refused (`crate::validate::unsupported`).
     #[serde(default)]
     pub name: Option<Value>,
     #[serde(default)]

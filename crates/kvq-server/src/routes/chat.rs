@@ -1,5 +1,6 @@
-//! `POST /v1/chat/completions`: validate, pick the cache, render the chat template, tokenize,
-//! then answer whole (`chat.completion`) or as SSE chunks (`chat.completion.chunk`).
+//! `POST /v1/chat/completions`: validate, pick the cache, render the chat template (with the
+//! request's tools), tokenize, then answer whole (`chat.completion`) or as SSE chunks
+//! (`chat.completion.chunk`), tool calls parsed out of the reply.
 
 use crate::cache_select::resolve_cache;
 use crate::error::ApiError;
@@ -11,7 +12,9 @@ use crate::openai::{
 use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_header};
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
+use crate::tool_calls::{ToolMode, parse_reply};
 use crate::validate::format::schema_error;
+use crate::validate::tools::{ToolChoice, ToolPlan};
 use crate::validate::{Message, validate_chat};
 use axum::Json;
 use axum::extract::State;
@@ -24,8 +27,43 @@ const PROMPT_PARAM: &str = "messages";
 
 /// Renders `messages` with the model's chat template (generation prompt added) and tokenizes
 /// the result. Template errors (e.g. a template that rejects the role order) are 400s.
-pub fn render_and_encode(engine: &Engine, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
-    render_and_encode_with(engine.chat_template(), engine.tokenizer(), messages)
+pub fn render_and_encode(
+    engine: &Engine,
+    messages: &[Message],
+    tools: Option<&ToolPlan>,
+) -> Result<Vec<u32>, ApiError> {
+    render_and_encode_with(engine.chat_template(), engine.tokenizer(), messages, tools)
+}
+
+/// Whether the template renders a `tools` variable (Qwen2.5's, Hermes', Llama 3.1's do).
+pub fn template_takes_tools(template: &ChatTemplate) -> bool {
+    template.source().contains("tools")
+}
+
+/// Refuses what the served model cannot do with `plan`: letting the model choose to call a
+/// tool needs a template that shows the tools (a forced call is written by the grammar).
+pub fn check_tools(
+    template: &ChatTemplate,
+    plan: Option<&ToolPlan>,
+    forced_format: bool,
+) -> Result<(), ApiError> {
+    let Some(plan) = plan else { return Ok(()) };
+    if plan.choice == ToolChoice::Auto && !template_takes_tools(template) {
+        return Err(ApiError::unsupported(
+            "tools",
+            "The served model's chat template has no tool support, so the model cannot choose \
+             to call one. Set 'tool_choice' to \"required\" or to a function to force a call \
+             (the grammar writes it), or send the request without 'tools'.",
+        ));
+    }
+    if plan.forced() && forced_format {
+        return Err(ApiError::invalid(
+            "response_format",
+            "'response_format' cannot be combined with a 'tool_choice' that forces a call: \
+             the call's own schema constrains the reply.",
+        ));
+    }
+    Ok(())
 }
 
 /// [`render_and_encode`] with a given template and tokenizer (no engine needed: the fuzz
@@ -34,13 +72,34 @@ pub fn render_and_encode_with(
     template: &ChatTemplate,
     tokenizer: &Tokenizer,
     messages: &[Message],
+    tools: Option<&ToolPlan>,
 ) -> Result<Vec<u32>, ApiError> {
-    let msgs: Vec<ChatMessage> = messages
+    let mut msgs: Vec<ChatMessage> = messages
         .iter()
-        .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone()))
+        .map(|m| {
+            let mut c = ChatMessage::new(m.role.as_str(), m.content.clone());
+            c.tool_calls = m.tool_calls.clone();
+            c.tool_call_id = m.tool_call_id.clone();
+            c
+        })
         .collect();
+    let mut extra = None;
+    if let Some(plan) = tools.filter(|p| p.active()) {
+        if template_takes_tools(template) {
+            extra = Some(serde_json::json!({ "tools": plan.template_tools }));
+        } else {
+            // Only a forced call gets here: tell the model what it is calling.
+            let text = plan.plain_instruction();
+            match msgs.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{text}", first.content);
+                }
+                _ => msgs.insert(0, ChatMessage::new("system", text)),
+            }
+        }
+    }
     let text = template
-        .render(&msgs, true)
+        .render_with(&msgs, true, extra.as_ref())
         .map_err(|e| ApiError::from_model(e, PROMPT_PARAM))?;
     // A template that writes the BOS text itself must not get a second BOS from the tokenizer.
     let add_special = !tokenizer
@@ -64,15 +123,29 @@ pub async fn chat_completions(
         .stop
         .extend(state.engine.chat_template().stop_strings().iter().cloned());
     let cache = resolve_cache(&state.registry, &headers, v.params.kv_cache.as_ref())?;
+    check_tools(
+        state.engine.chat_template(),
+        v.tools.as_ref(),
+        v.params.response_format.is_some(),
+    )?;
+    let tool_mode = ToolMode::of(v.tools.as_ref());
     let engine = state.engine.clone();
     let messages = v.messages.clone();
-    let format = v.params.response_format.clone();
+    let tools = v.tools.clone();
+    let format = v
+        .params
+        .response_format
+        .clone()
+        .or_else(|| tools.as_ref().and_then(ToolPlan::call_grammar));
     let (prompt, constraint) = tokenize_blocking(move || {
         // Compiling a schema can take milliseconds; an unsupported one is a 400.
         let constraint = format
             .map(|f| engine.compile_grammar(&f).map_err(schema_error))
             .transpose()?;
-        Ok((render_and_encode(&engine, &messages)?, constraint))
+        Ok((
+            render_and_encode(&engine, &messages, tools.as_ref())?,
+            constraint,
+        ))
     })
     .await?;
     let rxs = submit_all(
@@ -100,6 +173,7 @@ pub async fn chat_completions(
             rxs,
             None,
             &cache.name,
+            tool_mode,
             stop_signal(&state),
         ));
     }
@@ -108,7 +182,14 @@ pub async fn chat_completions(
         r = collect_all(rxs, PROMPT_PARAM) => r?,
         err = stop_signal(&state) => return Err(err),
     };
-    let body = chat_completion(id, created, v.model, v.params.logprobs.is_some(), results);
+    let body = chat_completion(
+        id,
+        created,
+        v.model,
+        v.params.logprobs.is_some(),
+        results,
+        tool_mode.as_ref(),
+    );
     Ok(with_cache_header(Json(body).into_response(), &cache.name))
 }
 
@@ -119,6 +200,7 @@ pub fn chat_completion(
     model: String,
     want_logprobs: bool,
     results: Vec<generation::Collected>,
+    tools: Option<&ToolMode>,
 ) -> ChatCompletion {
     let mut usage: Option<UsageOut> = None;
     let choices = results
@@ -130,14 +212,25 @@ pub fn chat_completion(
                 Some(total) => total.add_choice(&u),
                 None => usage = Some(u),
             }
+            let (content, calls) = match tools {
+                Some(mode) => parse_reply(&c.text, mode),
+                None => (Some(c.text), Vec::new()),
+            };
+            let finish_reason = match calls.is_empty() {
+                true => c.finish.as_str(),
+                false => "tool_calls",
+            };
+            let tool_calls = (!calls.is_empty())
+                .then(|| calls.into_iter().map(|call| call.into_out()).collect());
             ChatChoice {
                 index,
                 message: ResponseMessage {
                     role: "assistant",
-                    content: c.text,
+                    content,
+                    tool_calls,
                 },
                 logprobs: want_logprobs.then(|| ChatLogprobs::from_infos(&c.logprobs)),
-                finish_reason: c.finish.as_str(),
+                finish_reason,
             }
         })
         .collect();

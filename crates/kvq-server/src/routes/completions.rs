@@ -89,6 +89,7 @@ pub async fn completions(
             rxs,
             echo_text.as_deref(),
             &cache.name,
+            None,
             stop_signal(&state),
         ));
     }

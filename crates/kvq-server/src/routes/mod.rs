@@ -98,6 +98,7 @@ pub fn stream_response(
     rxs: Vec<kvq_engine::GenerationStream>,
     echo: Option<&str>,
     cache_method: &str,
+    tools: Option<crate::tool_calls::ToolMode>,
     stop: impl std::future::Future<Output = ApiError> + Send + 'static,
 ) -> Response {
     let mut writer = crate::sse::ChunkWriter::new(
@@ -106,7 +107,8 @@ pub fn stream_response(
         params.n,
         params.include_usage,
         params.logprobs.is_some(),
-    );
+    )
+    .with_tools(tools);
     let opening = writer.opening(echo);
     let stream = crate::sse::sse_stream(
         crate::generation::merge(rxs),

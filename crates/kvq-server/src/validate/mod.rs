@@ -6,6 +6,7 @@ pub mod fields;
 pub mod format;
 #[cfg(test)]
 mod tests;
+pub mod tools;
 pub mod unsupported;
 
 use crate::error::ApiError;
@@ -25,6 +26,8 @@ pub enum Role {
     System,
     User,
     Assistant,
+    /// A function's result (`tool_call_id` says which call).
+    Tool,
 }
 
 impl Role {
@@ -34,6 +37,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 
@@ -43,16 +47,33 @@ impl Role {
             "system" | "developer" => Some(Role::System),
             "user" => Some(Role::User),
             "assistant" => Some(Role::Assistant),
+            "tool" => Some(Role::Tool),
             _ => None,
         }
     }
 }
 
 /// One checked chat message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// An assistant turn's calls, as templates read them (`tools::message_tool_calls`).
+    pub tool_calls: Option<Value>,
+    /// A tool turn's call id.
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    /// A message with text only.
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        Self {
+            role,
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+        }
+    }
 }
 
 /// What both endpoints share once checked.
@@ -84,6 +105,8 @@ pub struct ValidatedChat {
     pub model: String,
     pub messages: Vec<Message>,
     pub params: ValidatedParams,
+    /// `tools` and how they may be called; `None` without tools.
+    pub tools: Option<tools::ToolPlan>,
 }
 
 /// What `/v1/completions` was asked to continue.
@@ -175,13 +198,47 @@ pub fn validate_chat(
             ApiError::invalid(
                 format!("messages[{i}].role"),
                 format!(
-                    "Unsupported role '{}' in messages[{i}]; use 'system', 'developer', 'user' or 'assistant'.",
+                    "Unsupported role '{}' in messages[{i}]; use 'system', 'developer', 'user', 'assistant' or 'tool'.",
                     m.role
                 ),
             )
         })?;
         let content = fields::content(i, m.content.as_ref())?;
-        messages.push(Message { role, content });
+        let tool_calls = tools::message_tool_calls(i, m.tool_calls.as_ref())?;
+        if tool_calls.is_some() && role != Role::Assistant {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].tool_calls"),
+                format!("'messages[{i}].tool_calls' belongs on an assistant message."),
+            ));
+        }
+        let tool_call_id = match (&m.tool_call_id, role) {
+            (None | Some(Value::Null), Role::Tool) => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_call_id"),
+                    format!("'messages[{i}]' has role 'tool' and needs a 'tool_call_id'."),
+                ));
+            }
+            (None | Some(Value::Null), _) => None,
+            (Some(Value::String(id)), Role::Tool) => Some(id.clone()),
+            (Some(_), Role::Tool) => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_call_id"),
+                    format!("'messages[{i}].tool_call_id' must be a string."),
+                ));
+            }
+            (Some(_), _) => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_call_id"),
+                    format!("'messages[{i}].tool_call_id' belongs on a 'tool' message."),
+                ));
+            }
+        };
+        messages.push(Message {
+            role,
+            content,
+            tool_calls,
+            tool_call_id,
+        });
     }
 
     let max_tokens = match req.max_completion_tokens {
@@ -216,6 +273,11 @@ pub fn validate_chat(
             ignore_eos: req.ignore_eos.unwrap_or(false),
             response_format: format::response_format(req.response_format.as_ref())?,
         },
+        tools: tools::tool_plan(
+            req.tools.as_ref(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls.as_ref(),
+        )?,
     })
 }
 

@@ -50,13 +50,7 @@ fn assert_bad(
 fn minimal_chat_defaults() {
     let v = chat(with(json!({}))).unwrap();
     assert_eq!(v.model, MODEL);
-    assert_eq!(
-        v.messages,
-        vec![Message {
-            role: Role::User,
-            content: "hi".into()
-        }]
-    );
+    assert_eq!(v.messages, vec![Message::text(Role::User, "hi")]);
     let p = &v.params;
     assert_eq!(p.max_tokens, None);
     assert_eq!(p.sampling, SamplingParams::default());
@@ -168,9 +162,41 @@ fn messages_checks() {
         Some("messages"),
     );
     assert_bad(
-        chat(json!({"messages": [{"role": "tool", "content": "x"}]})),
+        chat(json!({"messages": [{"role": "function", "content": "x"}]})),
         StatusCode::BAD_REQUEST,
         Some("messages[0].role"),
+    );
+    assert_bad(
+        chat(json!({"messages": [{"role": "tool", "content": "x"}]})),
+        StatusCode::BAD_REQUEST,
+        Some("messages[0].tool_call_id"),
+    );
+    assert_bad(
+        chat(json!({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]})),
+        StatusCode::BAD_REQUEST,
+        Some("messages[0].tool_call_id"),
+    );
+    assert_bad(
+        chat(
+            json!({"messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}),
+        ),
+        StatusCode::BAD_REQUEST,
+        Some("messages[0].tool_calls"),
+    );
+    let v = chat(json!({"messages": [{"role": "user", "content": "x"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"}]}))
+    .unwrap();
+    assert_eq!(v.messages[2].role, Role::Tool);
+    assert_eq!(v.messages[2].tool_call_id.as_deref(), Some("c"));
+    assert_eq!(
+        v.messages[1]
+            .tool_calls
+            .as_ref()
+            .map(|c| c[0]["function"]["arguments"]["a"].clone()),
+        Some(json!(1))
     );
     assert_bad(
         chat(json!({"messages": [{"content": "x"}]})),
@@ -193,13 +219,7 @@ fn roles_and_content_parts() {
     ]}))
     .unwrap();
     assert_eq!(v.messages[0].role, Role::System);
-    assert_eq!(
-        v.messages[1],
-        Message {
-            role: Role::User,
-            content: "ab".into()
-        }
-    );
+    assert_eq!(v.messages[1], Message::text(Role::User, "ab"));
     assert_eq!(v.messages[2].content, "");
 
     let image = json!({"messages": [{"role": "user", "content": [

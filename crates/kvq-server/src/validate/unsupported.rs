@@ -42,38 +42,20 @@ fn is_str(v: &Option<Value>, s: &str) -> bool {
     matches!(v, Some(Value::String(x)) if x == s)
 }
 
-/// Refuses every chat field (and message field) that is not implemented yet.
+/// Refuses every chat field (and message field) that is not implemented.
 pub fn check_chat(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    let tools_later =
-        "Send the request without it: this server does not implement tool calling yet.";
-    if !absent_or_empty(&req.tools) {
-        return Err(refuse(
-            "tools",
-            format!("'tools' is not supported. {tools_later}"),
-        ));
-    }
-    if !(absent(&req.tool_choice) || is_str(&req.tool_choice, "none")) {
-        return Err(refuse(
-            "tool_choice",
-            format!("'tool_choice' other than \"none\" is not supported. {tools_later}"),
-        ));
-    }
-    if !absent(&req.parallel_tool_calls) {
-        return Err(refuse(
-            "parallel_tool_calls",
-            format!("'parallel_tool_calls' only applies to 'tools'. {tools_later}"),
-        ));
-    }
+    let use_tools = "Use 'tools' and 'tool_choice' instead (the deprecated function-calling \
+                     fields are not served).";
     if !absent_or_empty(&req.functions) {
         return Err(refuse(
             "functions",
-            format!("'functions' is not supported. {tools_later}"),
+            format!("'functions' is not supported. {use_tools}"),
         ));
     }
     if !(absent(&req.function_call) || is_str(&req.function_call, "none")) {
         return Err(refuse(
             "function_call",
-            format!("'function_call' other than \"none\" is not supported. {tools_later}"),
+            format!("'function_call' other than \"none\" is not supported. {use_tools}"),
         ));
     }
     modalities(req.modalities.as_ref())?;
@@ -114,30 +96,17 @@ pub fn check_chat(req: &ChatCompletionRequest) -> Result<(), ApiError> {
 }
 
 /// A message's fields beyond `role` and `content`: `name` and `refusal` are accepted and not
-/// used (the supported chat templates render neither); tool and audio fields are refused.
+/// used (the supported chat templates render neither); `tool_calls` and `tool_call_id` are
+/// checked with the tools (`crate::validate::tools`); `function_call` and audio are refused.
 fn message(i: usize, m: &InputMessage) -> Result<(), ApiError> {
-    if !absent_or_empty(&m.tool_calls) {
+    if !absent(&m.function_call) {
         return Err(refuse(
-            &format!("messages[{i}].tool_calls"),
+            &format!("messages[{i}].function_call"),
             format!(
-                "'messages[{i}].tool_calls' is not supported: this server does not implement \
-                 tool calling yet."
+                "'messages[{i}].function_call' (deprecated) is not supported: send the call \
+                 as 'tool_calls'."
             ),
         ));
-    }
-    for (field, v) in [
-        ("tool_call_id", &m.tool_call_id),
-        ("function_call", &m.function_call),
-    ] {
-        if !absent(v) {
-            return Err(refuse(
-                &format!("messages[{i}].{field}"),
-                format!(
-                    "'messages[{i}].{field}' is not supported: this server does not implement \
-                     tool calling yet."
-                ),
-            ));
-        }
     }
     if !absent(&m.audio) {
         return Err(refuse(
@@ -183,13 +152,7 @@ mod tests {
     /// code `unsupported_parameter`.
     #[test]
     fn unimplemented_fields_are_refused_by_name() {
-        let weather = json!([{"type": "function", "function": {"name": "weather",
-            "parameters": {"type": "object"}}}]);
         let cases = [
-            (json!({"tools": weather}), "tools"),
-            (json!({"tool_choice": "auto"}), "tool_choice"),
-            (json!({"tool_choice": "required"}), "tool_choice"),
-            (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": "auto"}), "function_call"),
             (json!({"modalities": ["text", "audio"]}), "modalities"),
@@ -202,13 +165,8 @@ mod tests {
             (json!({"verbosity": "low"}), "verbosity"),
             (
                 json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
-                    "content": null, "tool_calls": [{"id": "c", "type": "function",
-                    "function": {"name": "f", "arguments": "{}"}}]}]}),
-                "messages[1].tool_calls",
-            ),
-            (
-                json!({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}),
-                "messages[0].tool_call_id",
+                    "content": null, "function_call": {"name": "f", "arguments": "{}"}}]}),
+                "messages[1].function_call",
             ),
             (
                 json!({"messages": [{"role": "user", "content": "hi", "audio": {"id": "a"}}]}),
