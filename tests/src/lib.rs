@@ -59,3 +59,29 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     p
 }
+
+/// Starts `kvq serve` on `model` with the shipped presets, runs the Python client check
+/// `tests/clients/<script>` against it with `args`, and fails with the client's output and the
+/// server log unless every check passed (the script's closing line is "N passed, 0 failed").
+pub fn run_client_check(model: &std::path::Path, script: &str, args: &[&str]) {
+    let presets = workspace_root().join("configs/cache");
+    let server = server::Server::start(&[
+        "--model",
+        model.to_str().expect("utf-8 path"),
+        "--cache-presets",
+        presets.to_str().expect("utf-8 path"),
+    ]);
+    let out = std::process::Command::new("python3")
+        .arg(workspace_root().join("tests/clients").join(script))
+        .arg(&server.base)
+        .args(args)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains(" passed, 0 failed"),
+        "{script} failed:\n{stdout}\n{stderr}\nserver log:\n{}",
+        server.log_text()
+    );
+}

@@ -6,33 +6,7 @@
 //! "auto" is a 400 naming `tools`, while "required" and a named function get a call the grammar
 //! writes.
 
-use kvq_tests::server::Server;
-use kvq_tests::{default_gguf, models_dir, workspace_root};
-use std::path::Path;
-use std::process::Command;
-
-fn run_client(model: &Path, args: &[&str]) {
-    let presets = workspace_root().join("configs/cache");
-    let server = Server::start(&[
-        "--model",
-        model.to_str().expect("utf-8 path"),
-        "--cache-presets",
-        presets.to_str().expect("utf-8 path"),
-    ]);
-    let out = Command::new("python3")
-        .arg(workspace_root().join("tests/clients/tool_calls.py"))
-        .arg(&server.base)
-        .args(args)
-        .output()
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains(" passed, 0 failed"),
-        "tool call checks failed:\n{stdout}\n{stderr}\nserver log:\n{}",
-        server.log_text()
-    );
-}
+use kvq_tests::{default_gguf, models_dir, run_client_check};
 
 #[test]
 fn qwen_calls_a_tool_through_the_openai_client() {
@@ -42,10 +16,18 @@ fn qwen_calls_a_tool_through_the_openai_client() {
         "{} is missing: run scripts/fetch-models qwen2",
         model.display()
     );
-    run_client(&model, &["template", "fp16", "turboquant-mse-4bit"]);
+    run_client_check(
+        &model,
+        "tool_calls.py",
+        &["template", "fp16", "turboquant-mse-4bit"],
+    );
 }
 
 #[test]
 fn a_model_without_tool_support_is_forced_to_call_by_the_grammar() {
-    run_client(&default_gguf(), &["plain", "fp16", "turboquant-prod-3bit"]);
+    run_client_check(
+        &default_gguf(),
+        "tool_calls.py",
+        &["plain", "fp16", "turboquant-prod-3bit"],
+    );
 }
