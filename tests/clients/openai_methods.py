@@ -10,9 +10,9 @@ Prints one line per check and 'N passed, M failed'; exits non-zero on any failur
 
 import concurrent.futures
 import sys
-import traceback
 
 from openai import OpenAI
+from checks import check, finish
 
 BASE = sys.argv[1].rstrip("/")
 METHODS = sys.argv[2:]
@@ -28,18 +28,7 @@ STORY = (
     "keeper saw a small boat with a red sail fighting the waves near the northern reef. "
 )
 MESSAGES = [{"role": "user", "content": STORY + "Continue the story in two sentences."}]
-results = []
 
-
-def check(name, fn):
-    try:
-        fn()
-        results.append(True)
-        print(f"ok   {name}")
-    except Exception:  # noqa: BLE001 - report every failure and keep going
-        results.append(False)
-        print(f"FAIL {name}")
-        traceback.print_exc()
 
 
 def stream(method, max_tokens=24):
@@ -109,7 +98,4 @@ def concurrent_equals_solo():
 if len(solo) == len(METHODS):
     check("all methods at once equal their solo outputs", concurrent_equals_solo)
 
-passed = sum(results)
-failed = len(results) - passed
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish()

@@ -9,17 +9,16 @@ Prints one line per check and a closing 'N passed, M failed'; exits non-zero on 
 
 import json
 import sys
-import traceback
 
 import openai
 from openai import OpenAI
 from pydantic import BaseModel, Field
+from checks import check, finish
 
 BASE = sys.argv[1].rstrip("/")
 METHODS = sys.argv[2:] or ["fp16"]
 client = OpenAI(base_url=BASE + "/v1", api_key="not-needed", max_retries=0, timeout=300)
 MODEL = client.models.list().data[0].id
-results = []
 
 
 class Cat(BaseModel):
@@ -33,16 +32,6 @@ CAT_PROMPT = [
     {"role": "user", "content": "Describe a cat named Tom: its name, its age and whether it lives indoors."},
 ]
 
-
-def check(name, fn):
-    try:
-        fn()
-        results.append(True)
-        print(f"ok   {name}")
-    except Exception:  # noqa: BLE001 - report every failure and keep going
-        results.append(False)
-        print(f"FAIL {name}")
-        traceback.print_exc()
 
 
 def parse_whole(method):
@@ -121,6 +110,4 @@ check("json_object_sampled", json_object_sampled)
 check("cut_by_max_tokens", cut_by_max_tokens)
 check("unsupported_schema_is_refused", unsupported_schema_is_refused)
 
-failed = results.count(False)
-print(f"{results.count(True)} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish()

@@ -15,18 +15,17 @@ Prints one line per check and a closing 'N passed, M failed'; exits non-zero on 
 
 import json
 import sys
-import traceback
 
 import openai
 from openai import OpenAI
 from pydantic import BaseModel
+from checks import check, finish
 
 BASE = sys.argv[1].rstrip("/")
 MODE = sys.argv[2]
 METHODS = sys.argv[3:] or ["fp16"]
 client = OpenAI(base_url=BASE + "/v1", api_key="not-needed", max_retries=0, timeout=300)
 MODEL = client.models.list().data[0].id
-results = []
 
 WEATHER = {
     "type": "function",
@@ -60,16 +59,6 @@ class GetWeather(BaseModel):
 
     city: str
 
-
-def check(name, fn):
-    try:
-        fn()
-        results.append(True)
-        print(f"ok   {name}")
-    except Exception:  # noqa: BLE001 - report every failure and keep going
-        results.append(False)
-        print(f"FAIL {name}")
-        traceback.print_exc()
 
 
 def one_call(message, name="get_weather"):
@@ -217,6 +206,4 @@ else:
     check("forced_streamed", forced_streamed)
 check("unknown_function_is_refused", unknown_function_is_refused)
 
-failed = results.count(False)
-print(f"{results.count(True)} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish()

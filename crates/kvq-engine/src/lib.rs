@@ -9,6 +9,7 @@ mod prefix;
 mod release;
 pub mod request;
 pub mod sampling;
+mod sequence;
 pub mod stop;
 pub mod store;
 mod worker;
