@@ -15,7 +15,7 @@ use kvq_server::extract::parse_json;
 use kvq_server::openai::{ChatCompletionRequest, CompletionRequest};
 use kvq_server::routes::chat::{check_tools, render_and_encode_with};
 use kvq_server::tool_calls::{ToolMode, ToolStream, parse_reply};
-use kvq_server::validate::format::schema_error;
+use kvq_server::validate::format::{schema_error, tool_schema_error};
 use kvq_server::validate::{check_token_ids, prompt, validate_chat, validate_completion};
 use libfuzzer_sys::fuzz_target;
 
@@ -54,14 +54,18 @@ fuzz_target!(|data: &[u8]| {
                     Err(e) => check_error(&e),
                     Ok(ids) => assert!(!ids.is_empty(), "a rendered chat has tokens"),
                 }
-                let spec = v.params.response_format.clone().or_else(|| {
-                    v.tools
-                        .as_ref()
-                        .and_then(kvq_server::validate::tools::ToolPlan::call_grammar)
-                });
+                let (spec, on_error): (_, fn(_) -> _) = match v.params.response_format.clone() {
+                    Some(f) => (Some(f), schema_error),
+                    None => (
+                        v.tools
+                            .as_ref()
+                            .and_then(kvq_server::validate::tools::ToolPlan::call_grammar),
+                        tool_schema_error,
+                    ),
+                };
                 if let Some(spec) = &spec {
                     match grammar().compile(spec) {
-                        Err(e) => check_error(&schema_error(e)),
+                        Err(e) => check_error(&on_error(e)),
                         Ok(c) => follow_a_few_tokens(c),
                     }
                 }

@@ -188,6 +188,18 @@ def unknown_function_is_refused():
         raise AssertionError("a tool_choice naming no tool was accepted")
 
 
+def unenforceable_parameters_are_refused():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "if": {"properties": {"a": {"type": "string"}}}}}}
+    try:
+        create("fp16", messages=ASK, tools=[tool], tool_choice="required")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "tools", e.body
+        assert '"if"' in e.body["message"], e.body
+    else:
+        raise AssertionError("a parameters schema the grammar cannot enforce was accepted")
+
+
 if MODE == "template":
     for m in METHODS:
         check(f"auto_whole[{m}]", lambda m=m: auto_whole(m))
@@ -204,6 +216,7 @@ else:
     named = {"type": "function", "function": {"name": "get_weather"}}
     check("named[fp16]", lambda: forced_call_by_grammar("fp16", named))
     check("forced_streamed", forced_streamed)
+    check("unenforceable_parameters_are_refused", unenforceable_parameters_are_refused)
 check("unknown_function_is_refused", unknown_function_is_refused)
 
 finish()

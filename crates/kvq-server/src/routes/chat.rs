@@ -13,7 +13,7 @@ use crate::routes::{stop_signal, stream_response, tokenize_blocking, with_cache_
 use crate::sse::{StreamKind, StreamMeta};
 use crate::state::AppState;
 use crate::tool_calls::{ToolMode, parse_reply};
-use crate::validate::format::schema_error;
+use crate::validate::format::{schema_error, tool_schema_error};
 use crate::validate::tools::{ToolChoice, ToolPlan};
 use crate::validate::{Message, validate_chat};
 use axum::Json;
@@ -132,15 +132,18 @@ pub async fn chat_completions(
     let engine = state.engine.clone();
     let messages = v.messages.clone();
     let tools = v.tools.clone();
-    let format = v
-        .params
-        .response_format
-        .clone()
-        .or_else(|| tools.as_ref().and_then(ToolPlan::call_grammar));
+    // The reply's grammar: the response format's, or a forced tool call's (never both).
+    let (format, on_error): (_, fn(_) -> ApiError) = match v.params.response_format.clone() {
+        Some(f) => (Some(f), schema_error),
+        None => (
+            tools.as_ref().and_then(ToolPlan::call_grammar),
+            tool_schema_error,
+        ),
+    };
     let (prompt, constraint) = tokenize_blocking(move || {
         // Compiling a schema can take milliseconds; an unsupported one is a 400.
         let constraint = format
-            .map(|f| engine.compile_grammar(&f).map_err(schema_error))
+            .map(|f| engine.compile_grammar(&f).map_err(on_error))
             .transpose()?;
         Ok((
             render_and_encode(&engine, &messages, tools.as_ref())?,

@@ -51,10 +51,7 @@ fn json_schema(v: Option<&Value>) -> Result<Option<GrammarSpec>, ApiError> {
         ));
     };
     match js.get("name") {
-        Some(Value::String(n))
-            if (1..=64).contains(&n.len())
-                && n.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
+        Some(Value::String(n)) if super::tools::valid_name(n) => {}
         _ => {
             return Err(ApiError::invalid(
                 "response_format.json_schema.name",
@@ -99,6 +96,17 @@ pub fn schema_error(e: kvq_engine::GrammarError) -> ApiError {
             format!("'response_format.json_schema.schema' cannot be enforced: {msg}"),
         ),
         other => ApiError::unsupported("response_format", other.to_string()),
+    }
+}
+
+/// The 400 for a forced tool call whose `parameters` schema the grammar compiler refused.
+pub fn tool_schema_error(e: kvq_engine::GrammarError) -> ApiError {
+    match e {
+        kvq_engine::GrammarError::Schema(msg) => ApiError::invalid(
+            "tools",
+            format!("A tool's 'function.parameters' schema cannot be enforced: {msg}"),
+        ),
+        other => ApiError::unsupported("tool_choice", other.to_string()),
     }
 }
 

@@ -102,7 +102,7 @@ fn absent(v: Option<&Value>) -> bool {
 }
 
 /// OpenAI's rule for function names: 1 to 64 of `a-z A-Z 0-9 _ -`.
-fn valid_name(name: &str) -> bool {
+pub(crate) fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name
             .bytes()
