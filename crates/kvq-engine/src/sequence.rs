@@ -90,7 +90,7 @@ pub(crate) fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -
     if let Some(c) = seq.constraint.as_mut()
         && let Err(e) = c.mask(&mut logits)
     {
-        return fail(seq, format!("response_format: {e}"));
+        return fail(seq, grammar_error(e));
     }
     let id = seq.sampler.sample(&mut logits, &req.prompt, &seq.generated);
     seq.generated.push(id);
@@ -100,7 +100,7 @@ pub(crate) fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -
     if let Some(c) = seq.constraint.as_mut() {
         match c.follow(id) {
             Ok(followed) => grammar_done = followed == Followed::Complete || eos_token,
-            Err(e) => return fail(seq, format!("response_format: {e}")),
+            Err(e) => return fail(seq, grammar_error(e)),
         }
     }
     let now = Instant::now();
@@ -130,7 +130,7 @@ pub(crate) fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -
     } else {
         match seq.decoder.push(id) {
             Ok(t) => t,
-            Err(e) => return fail(seq, e.to_string()),
+            Err(e) => return fail(seq, EngineError::Internal(e.to_string())),
         }
     };
     let (text, stopped) = match seq.stop.push(&text) {
@@ -174,11 +174,17 @@ pub(crate) fn emit_token(seq: &mut Seq, mut logits: Vec<f32>, tok: &Tokenizer) -
     After::Ended
 }
 
-/// Ends `seq` with an internal error event.
-pub(crate) fn fail(seq: &mut Seq, msg: String) -> After {
-    let _ = seq
-        .job
-        .events
-        .send(GenerationEvent::Error(EngineError::Internal(msg)));
+/// Ends `seq` with an error event.
+pub(crate) fn fail(seq: &mut Seq, err: EngineError) -> After {
+    let _ = seq.job.events.send(GenerationEvent::Error(err));
     After::Failed
+}
+
+/// A grammar that reached a dead end (it allows no token the model has) is the request's
+/// schema at fault: a 400 naming `response_format`, not a server error.
+fn grammar_error(e: crate::grammar::GrammarError) -> EngineError {
+    EngineError::InvalidParameter {
+        param: "response_format".into(),
+        message: format!("the response format's grammar cannot continue: {e}"),
+    }
 }
