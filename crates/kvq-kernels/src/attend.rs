@@ -251,6 +251,25 @@ impl CustomOp3 for AttendOp {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::ops::attend_fwd(&*self.keys, &*self.values, self.p, s1, l1, s2, l2, s3, l3)
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        s1: &candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+        s3: &candle_core::MetalStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        use crate::metal::ops;
+        if ops::attend_has_kernel(&*self.keys, &*self.values) {
+            return ops::attend_fwd(&*self.keys, &*self.values, self.p, s1, l1, s2, l2, s3, l3);
+        }
+        ops::via_cpu(&[s1, s2, s3], |h| {
+            self.cpu_fwd(&h[0], l1, &h[1], l2, &h[2], l3)
+        })
+    }
 }
 
 /// Fused compressed attention. `q`: `[n_heads, t, d]` f32; `kcodes` / `vcodes`:
@@ -269,6 +288,11 @@ pub fn compressed_attend(
         values: values.clone(),
         p,
     };
+    if q.device().is_metal() {
+        // The Metal kernels read contiguous rows from each buffer's offset.
+        let (q, k, v) = (q.contiguous()?, kcodes.contiguous()?, vcodes.contiguous()?);
+        return q.apply_op3_no_bwd(&k, &v, &op);
+    }
     q.apply_op3_no_bwd(kcodes, vcodes, &op)
 }
 

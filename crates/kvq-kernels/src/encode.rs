@@ -65,6 +65,23 @@ impl CustomOp1 for EncodeOp {
             Codec::Value(c) => crate::cuda::ops::encode_fwd(None, Some(&**c), s, l),
         }
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        s: &candle_core::MetalStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        use crate::metal::ops;
+        let (k, v) = match &self.0 {
+            Codec::Key(c) => (Some(&**c), None),
+            Codec::Value(c) => (None, Some(&**c)),
+        };
+        match ops::encode_has_kernel(k, v) && l.is_contiguous() {
+            true => ops::encode_fwd(k, v, s, l),
+            false => ops::via_cpu(&[s], |h| self.cpu_fwd(&h[0], l)),
+        }
+    }
 }
 
 /// Encodes keys `[heads, t, d]` (f32) into codes `[heads, t, code_bytes]` (u8).

@@ -11,7 +11,8 @@
 //! Each op has a plain `*_reference` function that is the definition of correct, and the cache
 //! code only ever calls the op functions. With the `cuda` feature the ops also have a `cuda_fwd`
 //! (module `cuda`), which runs a codec from its [`spec`] (`kernel_data()`) without the caches knowing;
-//! a `metal_fwd` is to follow the same way.
+//! with the `metal` feature a `metal_fwd` (module `metal`: the kernels of `kernels/metal`, which
+//! the CPU emulator crates/kvq-metal-emu also runs).
 //!
 //! Beside the ops, the kernels the codecs call row by row: [`bitpack`] (the packed b-bit layout
 //! of every code row) and [`turboquant`] (the CPU loops of the rotated scalar codebooks: scores

@@ -235,6 +235,17 @@ impl CustomOp2 for NearestOp {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::ops::nearest_fwd(s1, l1, s2, l2)
     }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        s1: &candle_core::MetalStorage,
+        l1: &Layout,
+        s2: &candle_core::MetalStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        crate::metal::ops::nearest_fwd(s1, l1, s2, l2)
+    }
 }
 
 /// Fused nearest-centroid argmin: `x` `[N, sub]` f32, `codebook` `[C, sub]` f32 (both

@@ -8,7 +8,7 @@ use clap::Parser;
 /// jemalloc keeps a long prompt's KV cache blocks apart from the per-layer buffers freed between
 /// them (size classes), where glibc's arenas left ~45 MiB of holes at 8000 tokens; it also gives
 /// freed pages back to the OS on its own (decay), so an idle server shrinks.
-#[cfg(not(target_env = "msvc"))]
+#[cfg(not(any(target_env = "msvc", target_os = "macos")))]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -66,6 +66,8 @@ impl Table {
         &self.periodic[..1 << self.bits]
     }
 
+    // Read by the x86-64 kernels only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn periodic(&self) -> &[f32; 64] {
         &self.periodic
     }
@@ -145,6 +147,7 @@ impl Isa {
     }
 
     /// Whether this path handles head dimension `d` (else it falls back to `Portable`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn handles(self, d: usize) -> bool {
         match self {
             Isa::Portable => true,

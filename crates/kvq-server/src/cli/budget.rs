@@ -3,6 +3,7 @@
 //! available RAM for a CPU model, of free device memory for a GPU one, measured once the model
 //! is loaded), or `none`.
 
+#[cfg(any(target_os = "linux", feature = "cuda"))]
 use anyhow::Context;
 use candle_core::Device;
 
@@ -113,6 +114,15 @@ fn available(dev: &Device) -> anyhow::Result<(usize, &'static str)> {
                 .mem_get_info()
                 .context("could not read the GPU's free memory")?;
             Ok((free, "free GPU memory"))
+        }
+        // Unified memory: what Metal recommends this process keep resident, less what it holds.
+        #[cfg(feature = "metal")]
+        Device::Metal(m) => {
+            let d = m.metal_device();
+            let free = d
+                .recommended_max_working_set_size()
+                .saturating_sub(d.current_allocated_size());
+            Ok((free, "Metal working set"))
         }
         _ => anyhow::bail!(
             "cannot measure this device's free memory: give --kv-budget in bytes (8GiB) or none"

@@ -1,8 +1,8 @@
 //! `--device cpu|cuda[:N]|metal|auto`: where the model and its caches run. `auto` takes CUDA
-//! device 0 when this binary was built with CUDA and a GPU answers, else the CPU; the log says
-//! which. A device this binary was not built for is an error naming the feature to build with.
+//! device 0 when this binary was built with CUDA and a GPU answers, else the Metal device when
+//! it was built with Metal and one answers, else the CPU; the log says which. A device this binary was not built for is an error naming the feature to build with.
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use candle_core::Device;
 use std::str::FromStr;
 
@@ -55,17 +55,16 @@ impl DeviceArg {
         let dev = match self {
             Self::Cpu => Device::Cpu,
             Self::Cuda(n) => cuda(n)?,
-            Self::Metal => bail!(
-                "this kvq was built without Metal (the metal feature is not built on this \
-                 platform yet); use --device cpu"
-            ),
-            Self::Auto => match cfg!(feature = "cuda") {
-                true => cuda(0).unwrap_or_else(|e| {
-                    tracing::info!("no CUDA device ({e:#}); running on the CPU");
-                    Device::Cpu
-                }),
-                false => Device::Cpu,
-            },
+            Self::Metal => metal()?,
+            Self::Auto if cfg!(feature = "cuda") => cuda(0).unwrap_or_else(|e| {
+                tracing::info!("no CUDA device ({e:#}); running on the CPU");
+                Device::Cpu
+            }),
+            Self::Auto if cfg!(feature = "metal") => metal().unwrap_or_else(|e| {
+                tracing::info!("no Metal device ({e:#}); running on the CPU");
+                Device::Cpu
+            }),
+            Self::Auto => Device::Cpu,
         };
         tracing::info!(device = %describe(&dev), "device");
         Ok(dev)
@@ -107,6 +106,21 @@ fn cuda(n: usize) -> anyhow::Result<Device> {
     )
 }
 
+/// Opens the system's default Metal device (the model and caches on it; the caches' kernels
+/// are compiled from kernels/metal on first use).
+#[cfg(feature = "metal")]
+fn metal() -> anyhow::Result<Device> {
+    Device::new_metal(0).context("could not open the Metal device")
+}
+
+#[cfg(not(feature = "metal"))]
+fn metal() -> anyhow::Result<Device> {
+    anyhow::bail!(
+        "this kvq was built without Metal: build it on macOS with `cargo build --release \
+         --features metal`, or use --device cpu"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,7 +154,9 @@ mod tests {
             let err = format!("{:#}", DeviceArg::Cuda(0).resolve().unwrap_err());
             assert!(err.contains("without CUDA"), "{err}");
         }
-        let err = format!("{:#}", DeviceArg::Metal.resolve().unwrap_err());
-        assert!(err.contains("Metal"), "{err}");
+        if !cfg!(feature = "metal") {
+            let err = format!("{:#}", DeviceArg::Metal.resolve().unwrap_err());
+            assert!(err.contains("without Metal"), "{err}");
+        }
     }
 }

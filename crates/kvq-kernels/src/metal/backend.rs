@@ -1,0 +1,237 @@
+//! The Metal runtime of the ops (the `metal` feature, Apple only): every `.metal` file of
+//! `kernels/metal` embedded with `include_str!` and compiled once per device at first use
+//! (`new_library_with_source`), pipelines built once per device and kernel and cached, the
+//! codecs' parameter arrays uploaded once per device, and one function that encodes a dispatch
+//! from a [`Dispatch`] (always `dispatch_thread_groups`: the geometry is in threadgroups).
+
+use super::dispatch::Dispatch;
+use crate::KernelData;
+use crate::spec::{KeySpec, ScalarSpec, ValueSpec};
+use candle_core::{MetalDevice, Result, bail};
+use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
+use objc2_metal::MTLSize;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernel sources, by the file they come from (one library each: the files define helpers
+/// of the same names).
+pub const SOURCES: [(&str, &str); 6] = [
+    (
+        "common/bitpack",
+        include_str!("../../../../kernels/metal/common/bitpack.metal"),
+    ),
+    (
+        "common/combine",
+        include_str!("../../../../kernels/metal/common/combine.metal"),
+    ),
+    (
+        "turboquant_mse/encode",
+        include_str!("../../../../kernels/metal/turboquant_mse/encode.metal"),
+    ),
+    (
+        "turboquant_mse/attend",
+        include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
+    ),
+    (
+        "qjl/encode",
+        include_str!("../../../../kernels/metal/qjl/encode.metal"),
+    ),
+    (
+        "qjl/attend",
+        include_str!("../../../../kernels/metal/qjl/attend.metal"),
+    ),
+];
+
+/// The `vecinfer/encode` source is separate: [`SOURCES`] lists the files with decode kernels.
+pub const NEAREST_SOURCE: (&str, &str) = (
+    "vecinfer/encode",
+    include_str!("../../../../kernels/metal/vecinfer/encode.metal"),
+);
+
+fn err(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("metal: {what}: {e}"))
+}
+
+type Key = (candle_core::metal_backend::DeviceId, &'static str);
+
+/// The pipeline of kernel `name` from source file `file` on `dev`: the file compiled once per
+/// device, the pipeline built once per device and kernel.
+pub fn pipeline(
+    dev: &MetalDevice,
+    file: &'static str,
+    name: &'static str,
+) -> Result<Arc<ComputePipeline>> {
+    static LIBRARIES: OnceLock<Mutex<HashMap<Key, Arc<Library>>>> = OnceLock::new();
+    static PIPELINES: OnceLock<Mutex<HashMap<Key, Arc<ComputePipeline>>>> = OnceLock::new();
+    let id = dev.id();
+    let mut pipes = PIPELINES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = pipes.get(&(id, name)) {
+        return Ok(p.clone());
+    }
+    let lib = {
+        let mut libs = LIBRARIES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match libs.get(&(id, file)) {
+            Some(l) => l.clone(),
+            None => {
+                let Some((_, src)) = SOURCES
+                    .iter()
+                    .chain(std::iter::once(&NEAREST_SOURCE))
+                    .find(|(f, _)| *f == file)
+                else {
+                    bail!("metal: no kernel source {file}")
+                };
+                let lib = dev
+                    .metal_device()
+                    .new_library_with_source(src, None)
+                    .map_err(|e| err(file, e))?;
+                let lib = Arc::new(lib);
+                libs.insert((id, file), lib.clone());
+                lib
+            }
+        }
+    };
+    let f = lib.get_function(name, None).map_err(|e| err(name, e))?;
+    let p = dev
+        .metal_device()
+        .new_compute_pipeline_state_with_function(&f)
+        .map_err(|e| err(name, e))?;
+    let p = Arc::new(p);
+    pipes.insert((id, name), p.clone());
+    Ok(p)
+}
+
+/// The key of `dev` in a codec's [`crate::spec::DeviceCache`].
+pub fn device_key(dev: &MetalDevice) -> String {
+    format!("metal:{:?}", dev.id())
+}
+
+/// One argument of a dispatch, bound at its position in the list.
+pub enum Arg<'a> {
+    /// A buffer the kernel reads, at a byte offset.
+    In(&'a Buffer, usize),
+    /// A buffer the kernel writes, at a byte offset.
+    Out(&'a Buffer, usize),
+    /// A `constant` parameter struct's bytes (`set_bytes`).
+    Bytes(Vec<u8>),
+}
+
+/// Encodes `name` over `d` with `args` bound to buffer indices 0.. in order, on the device's
+/// current command buffer (candle commits it). `d` is in threadgroups: it feeds
+/// `dispatch_thread_groups` (`dispatchThreadgroups:threadsPerThreadgroup:`).
+pub fn encode(
+    dev: &MetalDevice,
+    file: &'static str,
+    name: &'static str,
+    d: Dispatch,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    if d.threadgroups.contains(&0) {
+        return Ok(());
+    }
+    let p = pipeline(dev, file, name)?;
+    let threads = d.threads.iter().map(|&x| x as usize).product::<usize>();
+    if threads > p.max_total_threads_per_threadgroup() {
+        bail!(
+            "metal: {name} runs at most {} threads per threadgroup, the dispatch asks {threads}",
+            p.max_total_threads_per_threadgroup()
+        )
+    }
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_label(name);
+    enc.set_compute_pipeline_state(&p);
+    for (i, a) in args.iter().enumerate() {
+        match a {
+            Arg::In(b, off) => enc.set_input_buffer(i, Some(b), *off),
+            Arg::Out(b, off) => enc.set_output_buffer(i, Some(b), *off),
+            Arg::Bytes(v) if v.is_empty() => bail!("metal: {name}: empty parameter struct"),
+            Arg::Bytes(v) => enc.set_bytes_directly(i, v.len(), v.as_ptr() as *const c_void),
+        }
+    }
+    let size = |v: [u32; 3]| MTLSize {
+        width: v[0] as usize,
+        height: v[1] as usize,
+        depth: v[2] as usize,
+    };
+    enc.dispatch_thread_groups(size(d.threadgroups), size(d.threads));
+    Ok(())
+}
+
+/// A new buffer of `bytes` bytes (not zeroed: the kernels write every byte of their outputs).
+pub fn output(dev: &MetalDevice, bytes: usize, label: &str) -> Result<Arc<Buffer>> {
+    dev.new_buffer_builder()
+        .with_size(bytes.max(4))
+        .with_label(label)
+        .build()
+}
+
+fn upload<T>(dev: &MetalDevice, data: &[T]) -> Result<Arc<Buffer>> {
+    if data.is_empty() {
+        bail!("metal: an empty codec array")
+    }
+    dev.new_buffer_with_data(data)
+}
+
+/// A [`ScalarSpec`]'s arrays on a device.
+pub struct ScalarBufs {
+    pub levels: Arc<Buffer>,
+    pub thresholds: Arc<Buffer>,
+    pub code_of: Arc<Buffer>,
+    pub signs: Arc<Buffer>,
+}
+
+impl ScalarBufs {
+    fn new(dev: &MetalDevice, s: &ScalarSpec) -> Result<Self> {
+        Ok(Self {
+            levels: upload(dev, &s.levels)?,
+            thresholds: upload(dev, &s.thresholds)?,
+            code_of: upload(dev, &s.code_of)?,
+            signs: upload(dev, &s.signs)?,
+        })
+    }
+}
+
+/// A key codec's device arrays: the ones a Metal kernel reads (`None`: no Metal kernel for this
+/// spec; the op runs it through the CPU).
+pub enum KeyBufs {
+    Scalar(ScalarBufs),
+    Sketch(Arc<Buffer>),
+    None,
+}
+
+/// A value codec's device arrays.
+pub enum ValueBufs {
+    Scalar(ScalarBufs),
+    /// Group values need no arrays.
+    Group,
+    None,
+}
+
+/// The device arrays of a key codec on `dev`, uploaded the first time.
+pub fn key_bufs(dev: &MetalDevice, data: &KernelData<KeySpec>) -> Result<Arc<KeyBufs>> {
+    data.device.get_or_try_insert(&device_key(dev), || {
+        Ok(match &data.spec {
+            KeySpec::Scalar(s) => KeyBufs::Scalar(ScalarBufs::new(dev, s)?),
+            KeySpec::Sketch { sketch, .. } => KeyBufs::Sketch(upload(dev, &sketch.matrices)?),
+            KeySpec::ScalarSketch { .. } | KeySpec::ProductVq(_) => KeyBufs::None,
+        })
+    })
+}
+
+/// The device arrays of a value codec on `dev`, uploaded the first time.
+pub fn value_bufs(dev: &MetalDevice, data: &KernelData<ValueSpec>) -> Result<Arc<ValueBufs>> {
+    data.device.get_or_try_insert(&device_key(dev), || {
+        Ok(match &data.spec {
+            ValueSpec::Scalar(s) => ValueBufs::Scalar(ScalarBufs::new(dev, s)?),
+            ValueSpec::Group { .. } => ValueBufs::Group,
+            ValueSpec::ProductVq(_) => ValueBufs::None,
+        })
+    })
+}
