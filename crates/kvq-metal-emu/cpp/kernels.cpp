@@ -1,5 +1,6 @@
 // The emulator's kernel table: every kvq `.metal` file included unchanged (each set in its own
-// namespace, so the negative controls' mutated copies can sit beside the real kernels), and per
+// namespace, so the negative controls' mutated copies can sit beside the real kernels; a file
+// that builds on another's helpers comes after it, as in the Metal backend's libraries), and per
 // kernel one adapter from the C ABI (buffers in `[[buffer(n)]]` order, builtins from the
 // runtime) to the kernel's MSL signature. The standard headers come first: the shim's
 // address-space macros (`constant`, `kernel`, ...) would rewrite their declarations; and no
@@ -20,6 +21,9 @@ namespace kvq_real {
 #include "turboquant_mse/attend.metal"
 #include "common/combine.metal"
 #include "qjl/attend.metal"
+#include "turboquant_prod/encode.metal"
+#include "turboquant_prod/attend.metal"
+#include "vecinfer/attend.metal"
 }  // namespace kvq_real
 
 namespace kvq_xor_butterfly {
@@ -128,6 +132,52 @@ Entry attend_qjl(F fn) {
 }
 
 template <class Params, class F>
+Entry encode_prod(F fn) {
+  return {8, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const float*>(b[1]),
+               static_cast<const float*>(b[2]), static_cast<const uchar*>(b[3]),
+               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
+               static_cast<uchar*>(b[6]), *static_cast<const Params*>(b[7]),
+               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+template <class Params, class F>
+Entry encode_group(F fn) {
+  return {3, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<uchar*>(b[1]),
+               *static_cast<const Params*>(b[2]), bi().thread_position_in_threadgroup.x,
+               bi().threadgroup_position_in_grid.x);
+          }};
+}
+
+template <class Params, class F>
+Entry encode_vq(F fn) {
+  return {6, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const float*>(b[1]),
+               static_cast<const float*>(b[2]), static_cast<const float*>(b[3]),
+               static_cast<uchar*>(b[4]), *static_cast<const Params*>(b[5]),
+               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x);
+          }};
+}
+
+// kvq_attend_prod and kvq_attend_vq: q, key codes, value codes, five arrays, the partial rows,
+// the parameters.
+template <class Params, class F>
+Entry attend_ten(F fn) {
+  return {10, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
+               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
+               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
+               static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
+               static_cast<float*>(b[8]), *static_cast<const Params*>(b[9]),
+               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
+template <class Params, class F>
 Entry combine(F fn) {
   return {3, [fn](B b) {
             fn(static_cast<const float*>(b[0]), static_cast<float*>(b[1]),
@@ -169,6 +219,11 @@ const std::map<std::string, Entry>& table() {
       {"qjl_no_barrier/kvq_attend_qjl",
        attend_qjl<kvq_qjl_no_barrier::QjlAttendParams>(kvq_qjl_no_barrier::kvq_attend_qjl)},
       {"kvq_combine", combine<kvq_real::CombineParams>(kvq_real::kvq_combine)},
+      {"kvq_encode_prod", encode_prod<kvq_real::ProdEncodeParams>(kvq_real::kvq_encode_prod)},
+      {"kvq_encode_group", encode_group<kvq_real::GroupEncodeParams>(kvq_real::kvq_encode_group)},
+      {"kvq_encode_vq", encode_vq<kvq_real::VqEncodeParams>(kvq_real::kvq_encode_vq)},
+      {"kvq_attend_prod", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_prod)},
+      {"kvq_attend_vq", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq)},
       {"combine_no_barrier/kvq_combine",
        combine<kvq_combine_no_barrier::CombineParams>(kvq_combine_no_barrier::kvq_combine)},
   };

@@ -48,7 +48,8 @@ fn a_plain_kernel_compiles() {
          uint i [[thread_position_in_grid]]) {\n\
            threadgroup float t[32];\n\
            if (i < n) { t[i % 32] = x[i]; threadgroup_barrier(mem_flags::mem_threadgroup);\n\
-           x[i] = simd_sum(t[i % 32]) + half(1.0f); }\n\
+           float2 v = float2(x[i], 2.0f) * float2(3.0f);\n\
+           x[i] = simd_sum(t[i % 32]) + half(1.0f) + dot(v, float2(1.0f, v.y)); }\n\
          }",
     )
     .expect("a kernel in the supported subset compiles");
@@ -59,8 +60,8 @@ fn what_the_shim_does_not_support_does_not_compile() {
     let unsupported = [
         // threadgroup memory as a parameter (the shim's threadgroup arrays are locals)
         "kernel void k(threadgroup float* t [[threadgroup(0)]]) { t[0] = 1.0f; }",
-        // vector types
-        "kernel void k(device float4* x [[buffer(0)]]) { x[0] = x[1]; }",
+        // swizzles (vector types have their components only)
+        "kernel void k(device float4* x [[buffer(0)]]) { x[0].xy = x[1].zw; }",
         // atomics
         "kernel void k(device atomic_uint* x [[buffer(0)]]) { atomic_fetch_add_explicit(x, 1u, memory_order_relaxed); }",
         // writing a constant buffer

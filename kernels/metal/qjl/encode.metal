@@ -1,3 +1,6 @@
+// QJL's encode kernels: `kvq_encode_qjl_keys` (below) and `kvq_encode_group`, its values (after
+// it).
+//
 // Encode of QJL keys (the Metal twin of kernels/cuda/qjl/encode.cu; the CPU definition is
 // crates/kvq-cache qjl/keys.rs): one threadgroup of d threads per code row. The `outliers`
 // largest-magnitude channels are kept exactly (u8 index, f16 value; the sketch takes what the
@@ -101,5 +104,114 @@ kernel void kvq_encode_qjl_keys(device const float* x [[buffer(0)]],
     uint byte = 0;
     for (ushort b = 0; b < 8; b++) byte |= simd_shuffle(bit, ushort((lane / 8) * 8 + b)) << b;
     if (lane % 8 == 0 && i < p.m) o[2 + i / 8] = uchar(byte);
+  }
+}
+
+// Encode of QJL's group-quantized values (the Metal twin of kernels/cuda/qjl/encode.cu
+// `group_encode`; the CPU definition is crates/kvq-cache qjl/values.rs `fit` and `encode`): one
+// threadgroup of d threads per row. One thread per group of `group` coordinates fits its f16
+// (scale, min) as `fit` does (at 2 bits the best of the trimmed ranges by squared error once
+// rounded to f16, min-max otherwise); then every thread rounds its coordinate to a code and
+// one thread per output byte packs 8 / bits codes LSB first. Row layout: (scale, min) f16 of
+// every group, then the codes. Dispatch: kvq_kernels::metal::dispatch::encode_group.
+struct GroupEncodeParams {
+  uint rows;   // code rows
+  uint d;      // head dim (64, 128 or 256), the threads of a threadgroup
+  uint bits;   // 2, 4 or 8
+  uint group;  // coordinates per group; d % group == 0 and group * bits % 8 == 0
+  uint cb;     // bytes per code row: 4 d / group + d bits / 8
+};
+
+constant float kvq_group_trims[5] = {0.0f, 0.05f, 0.1f, 0.15f, 0.2f};
+
+// The f16-rounded (scale, min) of the range [lo + a r, hi - b r].
+inline float2 group_params(float lo, float hi, float a, float b, float levels) {
+  const float r = hi - lo;
+  const float l = lo + a * r, h = hi - b * r;
+  return float2(float(half(min((h - l) / levels, 65504.0f))), float(half(l)));
+}
+
+// The squared error of coding x[0..n) with (scale, min) `sm`, clipping included.
+template <class TG>
+inline float group_sse(TG x, uint n, float2 sm, float levels) {
+  const float inv = sm.x > 0.0f ? 1.0f / sm.x : 0.0f;
+  float e = 0.0f;
+  for (uint i = 0; i < n; i++) {
+    const float c = clamp(floor((x[i] - sm.y) * inv + 0.5f), 0.0f, levels);
+    const float r = sm.y + sm.x * c - x[i];
+    e = fma(r, r, e);
+  }
+  return e;
+}
+
+template <class TG>
+inline float2 group_fit(TG x, uint n, float levels) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (uint i = 0; i < n; i++) {
+    lo = min(lo, x[i]);
+    hi = max(hi, x[i]);
+  }
+  float2 best = group_params(lo, hi, 0.0f, 0.0f, levels);
+  if (levels > 3.0f) return best;
+  float least = INFINITY, trim = 0.0f, best_e = INFINITY;
+  // The best symmetric trim, then one step of each end on its own.
+  for (uint k = 0; k < 5; k++) {
+    const float a = kvq_group_trims[k];
+    const float2 sm = group_params(lo, hi, a, a, levels);
+    const float e = group_sse(x, n, sm, levels);
+    if (e < best_e) {
+      best_e = e;
+      best = sm;
+    }
+    if (e < least) {
+      least = e;
+      trim = a;
+    }
+  }
+  const float st = 0.05f;
+  const float cand[4][2] = {{trim - st, trim}, {trim + st, trim}, {trim, trim - st},
+                            {trim, trim + st}};
+  for (uint k = 0; k < 4; k++) {
+    if (cand[k][0] < 0.0f || cand[k][1] < 0.0f) continue;
+    const float2 sm = group_params(lo, hi, cand[k][0], cand[k][1], levels);
+    const float e = group_sse(x, n, sm, levels);
+    if (e < best_e) {
+      best_e = e;
+      best = sm;
+    }
+  }
+  return best;
+}
+
+kernel void kvq_encode_group(device const float* x [[buffer(0)]],
+                             device uchar* out [[buffer(1)]],
+                             constant GroupEncodeParams& p [[buffer(2)]],
+                             uint c [[thread_position_in_threadgroup]],
+                             uint row [[threadgroup_position_in_grid]]) {
+  threadgroup float xs[256];
+  threadgroup float2 sm[256];
+  threadgroup uchar code[256];
+  if (row >= p.rows) return;
+  const uint d = p.d, groups = d / p.group;
+  device uchar* o = out + row * p.cb;
+  xs[c] = x[row * d + c];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float levels = float((1u << p.bits) - 1u);
+  if (c < groups) {
+    const float2 f = group_fit(xs + c * p.group, p.group, levels);
+    sm[c] = f;
+    store_f16(o + 4 * c, f.x);
+    store_f16(o + 4 * c + 2, f.y);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float2 f = sm[c / p.group];
+  const float inv = f.x > 0.0f ? 1.0f / f.x : 0.0f;
+  code[c] = uchar(clamp(floor((xs[c] - f.y) * inv + 0.5f), 0.0f, levels));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint per = 8 / p.bits;
+  if (c < d / per) {
+    uint byte = 0;
+    for (uint i = 0; i < per; i++) byte |= uint(code[c * per + i]) << (i * p.bits);
+    o[4 * groups + c] = uchar(byte);
   }
 }

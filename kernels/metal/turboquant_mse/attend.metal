@@ -1,5 +1,8 @@
-// Fused decode attention of TurboQuant-MSE and -RVQ (the Metal twin of
-// kernels/cuda/turboquant_mse/attend.cu with kernels/cuda/common/attend.cuh's skeleton): one
+// Fused decode attention over code rows (the Metal twin of kernels/cuda/turboquant_mse/attend.cu
+// with kernels/cuda/common/attend.cuh's skeleton), written once as `attend_codes<KIND>` for the
+// three code layouts: KVQ_SCALAR (TurboQuant-MSE and -RVQ, kvq_attend_scalar below),
+// KVQ_PROD (TurboQuant-Prod's scalar stage plus residual sketch, kernels/metal/turboquant_prod)
+// and KVQ_VQ (VecInfer, kernels/metal/vecinfer), whose files are compiled after this one. One
 // threadgroup of 128 threads per (split of the code rows, kv head and chunk of its query heads,
 // query row). Code rows are an f16 norm then d indices of `bits` bits packed LSB first (kvq-kernels
 // spec.rs ScalarSpec). Keys are scored against the query rotated once per threadgroup and scaled
@@ -16,6 +19,11 @@ using namespace metal;
 #define KVQ_ATTEND_GB 4         // most query heads per threadgroup
 #define KVQ_ATTEND_MAX_D 256
 
+#define KVQ_SCALAR 0
+#define KVQ_PROD 1
+#define KVQ_VQ 2
+
+// The parameters of all three layouts (the fields of the others are zero).
 struct ScalarAttendParams {
   uint nh;            // query heads
   uint kvh;           // kv heads (nh / group)
@@ -40,6 +48,11 @@ struct ScalarAttendParams {
   float scale;        // softmax scale
   float ksigma;       // 1 / sqrt(d)
   float vsigma;
+  uint m;             // KVQ_PROD: the residual sketch's dimension (<= KVQ_ATTEND_MAX_D)
+  uint ksub;          // KVQ_VQ: key sub-vector length (4 or 8); kcb = d / ksub
+  uint vsub;          // KVQ_VQ: value sub-vector length; vcb = d / vsub
+  uint kbooks;        // KVQ_VQ: key codebooks, 1 (shared) or d / ksub (one per sub-position)
+  uint vbooks;        // KVQ_VQ: value codebooks
 };
 
 // The code rows [r0, r1) the query at `pos` reads (kvq-kernels AttendParams::code_rows).
@@ -95,34 +108,27 @@ inline void butterflies(TG rows, uint gb, uint d, uint tid) {
   }
 }
 
-kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
-                              device const uchar* kc [[buffer(1)]],
-                              device const uchar* vc [[buffer(2)]],
-                              device const float* klevels [[buffer(3)]],
-                              device const float* ksigns [[buffer(4)]],
-                              device const float* vlevels [[buffer(5)]],
-                              device const float* vsigns [[buffer(6)]],
-                              device float* part [[buffer(7)]],
-                              constant ScalarAttendParams& p [[buffer(8)]],
-                              uint tid [[thread_position_in_threadgroup]],
-                              uint tg [[threadgroup_position_in_grid]],
-                              uint lane [[thread_index_in_simdgroup]],
-                              uint sg [[simdgroup_index_in_threadgroup]]) {
-  // The rotated query [gb][d]; after the last tile, the reduced outputs [gb][d].
-  threadgroup float qs[KVQ_ATTEND_GB * KVQ_ATTEND_MAX_D];
-  threadgroup float klv[64];
-  threadgroup float vlv[64];
-  threadgroup float sc[KVQ_ATTEND_GB * KVQ_ATTEND_THREADS];  // one tile's scores, then weights
-  threadgroup float mstate[KVQ_ATTEND_GB];                    // running max
-  threadgroup float lstate[KVQ_ATTEND_GB];                    // running sum
-  threadgroup float alpha[KVQ_ATTEND_GB];                     // this tile's rescale
-  // The token lanes' accumulators: [lanes][gb][d], lanes * d = 8 * KVQ_ATTEND_THREADS.
-  threadgroup float red[KVQ_ATTEND_GB * 8 * KVQ_ATTEND_THREADS];
-
+// The attention of one threadgroup, for code layout KIND. Buffers by layout:
+//   KVQ_SCALAR: ka = key levels, kb = key signs, kx unused, va = value levels, vb = value signs;
+//   KVQ_PROD:   the same, kx = the sketch matrices transposed [kvh][d][m];
+//   KVQ_VQ:     ka = key codebooks [kbooks][256][ksub], kb = key signs, kx = smoothing factors
+//               [kvh][d], va = value codebooks, vb = value signs.
+// The threadgroup arrays are the kernel's (MSL declares them in kernel scope): qs [GB][MAX_D],
+// sq [GB][MAX_D] (KVQ_PROD), klv / vlv [64], sc [GB][THREADS], the softmax states [GB] and
+// red [GB][8 * THREADS].
+template <uint KIND, class TG>
+inline void attend_codes(device const float* q, device const uchar* kc, device const uchar* vc,
+                         device const float* ka, device const float* kb, device const float* kx,
+                         device const float* va, device const float* vb, device float* part,
+                         constant ScalarAttendParams& p, TG qs, TG sq, TG klv, TG vlv, TG sc,
+                         TG mstate, TG lstate, TG alpha, TG red, uint tid, uint tg, uint lane,
+                         uint sg) {
   const uint d = p.d;
   const uint per_t = p.kvh * p.hchunks * p.n_splits;
   // Shapes past the threadgroup arrays write nothing (the host's plan never makes them).
   if (tg >= per_t * p.t || d > KVQ_ATTEND_MAX_D || p.gb > KVQ_ATTEND_GB) return;
+  if (KIND == KVQ_PROD && (p.m > KVQ_ATTEND_MAX_D || p.m % 8 != 0)) return;
+  if (KIND == KVQ_VQ && (p.ksub == 0 || p.vsub == 0 || d % p.ksub != 0 || d % p.vsub != 0)) return;
   const uint t = tg / per_t;
   const uint y = (tg % per_t) / p.n_splits;
   const uint split = tg % p.n_splits;
@@ -145,21 +151,39 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
     return;
   }
 
-  // The query rotated and scaled: qs = H diag(signs) q / sqrt(d) * sigma.
-  device const float* ks = ksigns + kh * d;
+  // The query rotated: qs = H diag(signs) q' / sqrt(d), q' = q (scaled by sigma after the
+  // rotation) or q * lambda (KVQ_VQ).
+  device const float* ks = kb + kh * d;
   for (uint i = tid; i < gb * d; i += KVQ_ATTEND_THREADS) {
     const uint g = i / d, c = i % d;
-    qs[i] = q[((h0 + g) * p.t + t) * d + c] * ks[c];
+    const float lam = KIND == KVQ_VQ ? kx[kh * d + c] : 1.0f;
+    qs[i] = q[((h0 + g) * p.t + t) * d + c] * lam * ks[c];
   }
-  if (tid < (1u << p.kbits)) klv[tid] = klevels[tid];
-  if (tid < (1u << p.vbits)) vlv[tid] = vlevels[tid] * p.vsigma;
+  if (KIND != KVQ_VQ) {
+    if (tid < (1u << p.kbits)) klv[tid] = ka[tid];
+    if (tid < (1u << p.vbits)) vlv[tid] = va[tid] * p.vsigma;
+  }
   if (tid < KVQ_ATTEND_GB) {
     mstate[tid] = -INFINITY;
     lstate[tid] = 0.0f;
   }
+  if (KIND == KVQ_PROD) {
+    // a = sqrt(pi/2)/m S q from the unrotated query: kx is S transposed, [kvh][d][m].
+    device const float* S = kx + ulong(kh) * d * p.m;
+    const float cq = 1.2533141f / float(p.m);
+    for (uint i = tid; i < p.m; i += KVQ_ATTEND_THREADS) {
+      float a[KVQ_ATTEND_GB];
+      for (uint g = 0; g < KVQ_ATTEND_GB; g++) a[g] = 0.0f;
+      for (uint j = 0; j < d; j++) {
+        const float sv = S[j * p.m + i];
+        for (uint g = 0; g < gb; g++) a[g] = fma(sv, q[((h0 + g) * p.t + t) * d + j], a[g]);
+      }
+      for (uint g = 0; g < gb; g++) sq[g * p.m + i] = a[g] * cq;
+    }
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   butterflies(qs, gb, d, tid);
-  const float post = rsqrt(float(d)) * p.ksigma;
+  const float post = rsqrt(float(d)) * (KIND == KVQ_VQ ? 1.0f : p.ksigma);
   for (uint i = tid; i < gb * d; i += KVQ_ATTEND_THREADS) qs[i] *= post;
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -181,14 +205,43 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
       device const uchar* row = kbase + ulong(base + tid) * p.kcb;
       float s[KVQ_ATTEND_GB];
       for (uint g = 0; g < KVQ_ATTEND_GB; g++) s[g] = 0.0f;
-      for (uint grp = 0; grp < d / 8; grp++) {
-        const ulong v = index_group(row + 2, grp, p.kbits);
-        for (uint j = 0; j < 8; j++) {
-          const float L = klv[(v >> (j * p.kbits)) & kmask];
-          for (uint g = 0; g < gb; g++) s[g] = fma(qs[g * d + grp * 8 + j], L, s[g]);
+      if (KIND == KVQ_VQ) {
+        // sum over sub-positions of the rotated query's slice . the row's centroid there.
+        for (uint sp = 0; sp < d / p.ksub; sp++) {
+          const uint book = p.kbooks == 1 ? 0u : sp;
+          device const float* cen = ka + (ulong(book) * 256 + row[sp]) * p.ksub;
+          for (uint k = 0; k < p.ksub; k++) {
+            const float cv = cen[k];
+            for (uint g = 0; g < gb; g++) s[g] = fma(qs[g * d + sp * p.ksub + k], cv, s[g]);
+          }
+        }
+      } else {
+        for (uint grp = 0; grp < d / 8; grp++) {
+          const ulong v = index_group(row + 2, grp, p.kbits);
+          for (uint j = 0; j < 8; j++) {
+            const float L = klv[(v >> (j * p.kbits)) & kmask];
+            for (uint g = 0; g < gb; g++) s[g] = fma(qs[g * d + grp * 8 + j], L, s[g]);
+          }
+        }
+        const float kn = f16_at(row);
+        for (uint g = 0; g < gb; g++) s[g] *= kn;
+      }
+      if (KIND == KVQ_PROD) {
+        // + ||r|| sqrt(pi/2)/m <S q, sign(S r)>: the residual's f16 norm, then m/8 sign bytes.
+        device const uchar* at = row + 2 + d * p.kbits / 8;
+        const float rn = f16_at(at);
+        for (uint b = 0; b < p.m / 8; b++) {
+          const uint bits = at[2 + b];
+          for (uint k = 0; k < 8; k++) {
+            const bool plus = ((bits >> k) & 1u) != 0;
+            for (uint g = 0; g < gb; g++) {
+              const float a = sq[g * p.m + 8 * b + k] * rn;
+              s[g] += plus ? a : -a;
+            }
+          }
         }
       }
-      const float norm = f16_at(row) * p.scale;
+      const float norm = p.scale;
       for (uint g = 0; g < gb; g++) sc[g * KVQ_ATTEND_THREADS + tid] = s[g] * norm;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -222,13 +275,22 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
     }
     for (uint i = tl; i < n; i += lanes) {
       device const uchar* row = vbase + ulong(base + i) * p.vcb;
-      const float norm = f16_at(row);
-      const ulong v = index_group(row + 2, cg, p.vbits);
-      for (uint j = 0; j < 8; j++) {
-        const float L = vlv[(v >> (j * p.vbits)) & vmask];
-        for (uint g = 0; g < gb; g++)
-          acc[g][j] = fma(sc[g * KVQ_ATTEND_THREADS + i] * norm, L, acc[g][j]);
+      float x[8];
+      if (KIND == KVQ_VQ) {
+        // The thread's 8 coordinates: two sub-vectors of 4 or one of 8.
+        for (uint j = 0; j < 8; j++) {
+          const uint c = cg * 8 + j, sp = c / p.vsub;
+          const uint book = p.vbooks == 1 ? 0u : sp;
+          x[j] = va[(ulong(book) * 256 + row[sp]) * p.vsub + c % p.vsub];
+        }
+      } else {
+        const float norm = f16_at(row);
+        const ulong v = index_group(row + 2, cg, p.vbits);
+        for (uint j = 0; j < 8; j++) x[j] = vlv[(v >> (j * p.vbits)) & vmask] * norm;
       }
+      for (uint j = 0; j < 8; j++)
+        for (uint g = 0; g < gb; g++)
+          acc[g][j] = fma(sc[g * KVQ_ATTEND_THREADS + i], x[j], acc[g][j]);
     }
     // Every thread is done with this tile's weights before the next tile's scores.
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -246,11 +308,40 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Inverse rotation: x <- diag(signs) H x / sqrt(d).
   butterflies(qs, gb, d, tid);
-  device const float* vs = vsigns + kh * d;
+  device const float* vs = vb + kh * d;
   const float inv = rsqrt(float(d));
   for (uint i = tid; i < gb * width; i += KVQ_ATTEND_THREADS) {
     const uint g = i / width, c = i % width;
     const float x = c < d ? qs[g * d + c] * vs[c] * inv : (c == d ? mstate[g] : lstate[g]);
     part[((h0 + g) * p.t + t) * p.n_splits * width + split * width + c] = x;
   }
+}
+
+// The threadgroup arrays of one attention threadgroup, declared in the kernel's scope.
+#define KVQ_ATTEND_ARRAYS                                                                   \
+  threadgroup float qs[KVQ_ATTEND_GB * KVQ_ATTEND_MAX_D];                                   \
+  threadgroup float klv[64];                                                                \
+  threadgroup float vlv[64];                                                                \
+  threadgroup float sc[KVQ_ATTEND_GB * KVQ_ATTEND_THREADS];                                 \
+  threadgroup float mstate[KVQ_ATTEND_GB];                                                  \
+  threadgroup float lstate[KVQ_ATTEND_GB];                                                  \
+  threadgroup float alpha[KVQ_ATTEND_GB];                                                   \
+  threadgroup float red[KVQ_ATTEND_GB * 8 * KVQ_ATTEND_THREADS]
+
+kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
+                              device const uchar* kc [[buffer(1)]],
+                              device const uchar* vc [[buffer(2)]],
+                              device const float* klevels [[buffer(3)]],
+                              device const float* ksigns [[buffer(4)]],
+                              device const float* vlevels [[buffer(5)]],
+                              device const float* vsigns [[buffer(6)]],
+                              device float* part [[buffer(7)]],
+                              constant ScalarAttendParams& p [[buffer(8)]],
+                              uint tid [[thread_position_in_threadgroup]],
+                              uint tg [[threadgroup_position_in_grid]],
+                              uint lane [[thread_index_in_simdgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]]) {
+  KVQ_ATTEND_ARRAYS;
+  attend_codes<KVQ_SCALAR>(q, kc, vc, klevels, ksigns, klevels, vlevels, vsigns, part, p, qs, qs,
+                           klv, vlv, sc, mstate, lstate, alpha, red, tid, tg, lane, sg);
 }

@@ -46,6 +46,37 @@ inline void fwht_row(TG u, uint c, uint d) {
   }
 }
 
+// One row's scalar code, thread c of the d holding coordinate xv: the norm, the rotation, the
+// threshold search, the indices packed after the f16 norm into `o`, and `idx` (each thread's
+// index, complete after the final barrier). Returns the norm (f32). `signs`: this head's.
+template <class TGF, class TGU>
+inline float scalar_encode_row(float xv, device const float* signs,
+                               device const float* thresholds, device const uchar* code_of,
+                               device uchar* o, uint d, uint bits, float sigma, uint c, uint lane,
+                               uint sg, TGF u, TGU idx, TGF red) {
+  const float norm = sqrt(group_sum(xv * xv, red, lane, sg, d / 32));
+  u[c] = xv * signs[c];
+  fwht_row(u, c, d);
+  const float inv = norm > 0.0f ? 1.0f / (norm * sigma) : 0.0f;
+  const float y = u[c] * rsqrt(float(d)) * inv;
+  const uint nt = (1u << bits) - 1u;
+  uint k = 0;
+  for (uint j = 0; j < nt; j++) k += thresholds[j] < y ? 1u : 0u;
+  idx[c] = code_of[k];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (c < d / 8) {
+    ulong v = 0;
+    for (uint j = 0; j < 8; j++) v |= ulong(idx[8 * c + j]) << (j * bits);
+    for (uint b = 0; b < bits; b++) o[2 + c * bits + b] = uchar(v >> (8 * b));
+  }
+  if (c == 0) {
+    const ushort h = as_type<ushort>(half(norm));
+    o[0] = uchar(h & 0xff);
+    o[1] = uchar(h >> 8);
+  }
+  return norm;
+}
+
 kernel void kvq_encode_scalar(device const float* x [[buffer(0)]],
                               device const float* signs [[buffer(1)]],
                               device const float* thresholds [[buffer(2)]],
@@ -62,26 +93,6 @@ kernel void kvq_encode_scalar(device const float* x [[buffer(0)]],
   if (row >= p.rows) return;
   const uint d = p.d;
   const uint head = row / p.t;
-  const float xv = x[row * d + c];
-  const float norm = sqrt(group_sum(xv * xv, red, lane, sg, d / 32));
-  u[c] = xv * signs[head * d + c];
-  fwht_row(u, c, d);
-  const float inv = norm > 0.0f ? 1.0f / (norm * p.sigma) : 0.0f;
-  const float y = u[c] * rsqrt(float(d)) * inv;
-  const uint nt = (1u << p.bits) - 1u;
-  uint k = 0;
-  for (uint j = 0; j < nt; j++) k += thresholds[j] < y ? 1u : 0u;
-  idx[c] = code_of[k];
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  device uchar* o = out + row * p.cb;
-  if (c < d / 8) {
-    ulong v = 0;
-    for (uint j = 0; j < 8; j++) v |= ulong(idx[8 * c + j]) << (j * p.bits);
-    for (uint b = 0; b < p.bits; b++) o[2 + c * p.bits + b] = uchar(v >> (8 * b));
-  }
-  if (c == 0) {
-    const ushort h = as_type<ushort>(half(norm));
-    o[0] = uchar(h & 0xff);
-    o[1] = uchar(h >> 8);
-  }
+  scalar_encode_row(x[row * d + c], signs + head * d, thresholds, code_of, out + row * p.cb, d,
+                    p.bits, p.sigma, c, lane, sg, u, idx, red);
 }

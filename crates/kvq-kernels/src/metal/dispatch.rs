@@ -56,6 +56,24 @@ pub fn encode_qjl_keys(rows: usize, d: usize) -> Dispatch {
     Dispatch::linear(rows, d)
 }
 
+/// `kvq_encode_prod` (kernels/metal/turboquant_prod/encode.metal): one threadgroup of `d`
+/// threads per code row.
+pub fn encode_prod(rows: usize, d: usize) -> Dispatch {
+    Dispatch::linear(rows, d)
+}
+
+/// `kvq_encode_group` (kernels/metal/qjl/encode.metal): one threadgroup of `d` threads per code
+/// row.
+pub fn encode_group(rows: usize, d: usize) -> Dispatch {
+    Dispatch::linear(rows, d)
+}
+
+/// `kvq_encode_vq` (kernels/metal/vecinfer/encode.metal): one threadgroup of `d` threads per
+/// code row.
+pub fn encode_vq(rows: usize, d: usize) -> Dispatch {
+    Dispatch::linear(rows, d)
+}
+
 /// `kvq_nearest` (kernels/metal/vecinfer/encode.metal): one thread per sub-vector of the `n`,
 /// in threadgroups of [`LINEAR_THREADS`] (each copies the codebook once).
 pub fn nearest(n: usize) -> Dispatch {
@@ -141,6 +159,39 @@ pub fn attend_qjl(
     attend_plan(n_heads, n_kv_heads, t, d, max_rows)
 }
 
+/// `kvq_attend_prod` (kernels/metal/turboquant_prod/attend.metal) and `kvq_combine`: both
+/// `Dispatch`es feed `dispatchThreadgroups` (candle's `dispatch_thread_groups`), the attention
+/// first; the geometry of [`attend_scalar`], for a residual sketch of dimension `m` (a multiple
+/// of 8, at most `d`: its projection shares the query's threadgroup array size).
+pub fn attend_prod(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    m: usize,
+    max_rows: usize,
+) -> Result<AttendPlan, String> {
+    if m == 0 || !m.is_multiple_of(8) || m > d {
+        return Err(format!(
+            "metal attend: residual sketch dimension {m} (a multiple of 8 up to {d})"
+        ));
+    }
+    attend_plan(n_heads, n_kv_heads, t, d, max_rows)
+}
+
+/// `kvq_attend_vq` (kernels/metal/vecinfer/attend.metal) and `kvq_combine`: both `Dispatch`es
+/// feed `dispatchThreadgroups` (candle's `dispatch_thread_groups`), the attention first; the
+/// geometry of [`attend_scalar`].
+pub fn attend_vq(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    max_rows: usize,
+) -> Result<AttendPlan, String> {
+    attend_plan(n_heads, n_kv_heads, t, d, max_rows)
+}
+
 fn attend_plan(
     n_heads: usize,
     n_kv_heads: usize,
@@ -220,5 +271,20 @@ mod tests {
         }
         assert!(attend_scalar(6, 4, 1, 128, 10).is_err());
         assert!(attend_scalar(8, 2, 1, 96, 10).is_err());
+    }
+
+    #[test]
+    fn every_attention_has_the_scalar_geometry_within_its_limits() {
+        let base = attend_scalar(32, 8, 1, 128, 5000).unwrap();
+        assert_eq!(attend_prod(32, 8, 1, 128, 128, 5000).unwrap(), base);
+        assert_eq!(attend_qjl(32, 8, 1, 128, 520, 5000).unwrap(), base);
+        assert_eq!(attend_vq(32, 8, 1, 128, 5000).unwrap(), base);
+        // Prod's sketch shares the query's array (at most d); QJL's has its own.
+        assert!(attend_prod(8, 2, 1, 64, 72, 10).is_err());
+        assert!(attend_prod(8, 2, 1, 64, 60, 10).is_err());
+        assert!(attend_qjl(8, 2, 1, 256, QJL_MAX_M + 8, 10).is_err());
+        assert!(attend_vq(8, 2, 1, 512, 10).is_err());
+        let e = encode_vq(10, 256);
+        assert_eq!((e.threadgroups, e.threads), ([10, 1, 1], [256, 1, 1]));
     }
 }
