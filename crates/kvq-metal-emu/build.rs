@@ -6,20 +6,35 @@
 
 use std::path::{Path, PathBuf};
 
-/// A negative control: (name, source under kernels/metal, [(from, to)]), one mistake the seed
-/// names made in the kernel's text.
+/// A negative control: (name, sources under kernels/metal, [(from, to)]), one mistake made in
+/// the kernels' text. The sources are concatenated as the Metal backend compiles them into one
+/// library (a file that builds on another's helpers after it), so one mistake in a shared helper
+/// reaches every kernel built on it; each pattern must occur once in the concatenation.
 type Mutant = (
     &'static str,
-    &'static str,
+    &'static [&'static str],
     &'static [(&'static str, &'static str)],
 );
+
+/// The scalar encode and the kernels built on its `fwht_row`.
+const ENCODE_FWHT: &[&str] = &[
+    "turboquant_mse/encode.metal",
+    "vecinfer/encode.metal",
+    "turboquant_prod/encode.metal",
+];
+/// The scalar attention and the kernels built on its `attend_codes`.
+const ATTEND_CODES: &[&str] = &[
+    "turboquant_mse/attend.metal",
+    "turboquant_prod/attend.metal",
+    "vecinfer/attend.metal",
+];
 
 const MUTANTS: &[Mutant] = &[
     (
         // The seed's first Hadamard: XOR partner and an in-place update, with no barrier
         // between a pass's reads and its writes.
         "xor_butterfly",
-        "turboquant_mse/encode.metal",
+        ENCODE_FWHT,
         &[(
             "    const bool upper = (c % (2 * h)) >= h;\n    const uint partner = upper ? c - h : c + h;\n    const float a = u[c];\n    const float b = u[partner];\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n    u[c] = upper ? (b - a) : (a + b);\n",
             "    const uint partner = c ^ h;\n    const bool upper = (c & h) != 0;\n    const float a = u[c];\n    const float b = u[partner];\n    u[c] = upper ? (b - a) : (a + b);\n",
@@ -28,7 +43,7 @@ const MUTANTS: &[Mutant] = &[
     (
         // The barrier that ends a butterfly pass, removed.
         "no_barrier",
-        "turboquant_mse/encode.metal",
+        ENCODE_FWHT,
         &[(
             "    u[c] = upper ? (b - a) : (a + b);\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "    u[c] = upper ? (b - a) : (a + b);\n",
@@ -37,7 +52,7 @@ const MUTANTS: &[Mutant] = &[
     (
         // A sign packed from the wrong lane (one past the right one).
         "wrong_shuffle_lane",
-        "qjl/encode.metal",
+        &["qjl/encode.metal"],
         &[(
             "simd_shuffle(bit, ushort((lane / 8) * 8 + b))",
             "simd_shuffle(bit, ushort((lane / 8) * 8 + b + 1))",
@@ -47,7 +62,7 @@ const MUTANTS: &[Mutant] = &[
         // The barrier between the token lanes' writes of their accumulators and the sums over
         // them (the attention's final reduction), removed.
         "attend_no_barrier",
-        "turboquant_mse/attend.metal",
+        ATTEND_CODES,
         &[(
             "= acc[g][j];\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "= acc[g][j];\n",
@@ -58,7 +73,7 @@ const MUTANTS: &[Mutant] = &[
         // removed: the running max then comes from scores not yet written (harmless while the
         // logits are small, an overflow when they are not).
         "attend_no_score_barrier",
-        "turboquant_mse/attend.metal",
+        ATTEND_CODES,
         &[(
             "= s[g] * norm;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "= s[g] * norm;\n    }\n",
@@ -67,7 +82,7 @@ const MUTANTS: &[Mutant] = &[
     (
         // A split that ends one row late: the first row of the next split counted twice.
         "attend_split_overlap",
-        "turboquant_mse/attend.metal",
+        ATTEND_CODES,
         &[(
             "min(r1, s0 + p.split_rows)",
             "min(r1, s0 + p.split_rows + 1)",
@@ -76,7 +91,7 @@ const MUTANTS: &[Mutant] = &[
     (
         // QJL: the barrier between the projection S q and the scores that read it, removed.
         "qjl_no_barrier",
-        "qjl/attend.metal",
+        &["qjl/attend.metal"],
         &[(
             "a[g] * cq;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "a[g] * cq;\n  }\n",
@@ -85,10 +100,55 @@ const MUTANTS: &[Mutant] = &[
     (
         // The barrier between the split weights' writes and their reads, removed.
         "combine_no_barrier",
-        "common/combine.metal",
+        &["common/combine.metal"],
         &[(
             "exp(ms - m);\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "exp(ms - m);\n  }\n",
+        )],
+    ),
+    (
+        // TurboQuant-Prod's residual sketch: a sign packed from the wrong lane.
+        "prod_wrong_shuffle_lane",
+        &[
+            "turboquant_mse/encode.metal",
+            "turboquant_prod/encode.metal",
+        ],
+        &[(
+            "simd_shuffle(bit, ushort((lane / 8) * 8 + b))",
+            "simd_shuffle(bit, ushort((lane / 8) * 8 + b + 1))",
+        )],
+    ),
+    (
+        // TurboQuant-Prod: the barrier between the residual's writes and the projections that
+        // read all of it, removed.
+        "prod_no_residual_barrier",
+        &[
+            "turboquant_mse/encode.metal",
+            "turboquant_prod/encode.metal",
+        ],
+        &[(
+            "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  // Signs of S r",
+            "  // Signs of S r",
+        )],
+    ),
+    (
+        // QJL values: the barrier between the codes' writes and the packing that reads a byte's
+        // worth of them, removed.
+        "group_no_barrier",
+        &["qjl/encode.metal"],
+        &[(
+            "levels));\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "levels));\n",
+        )],
+    ),
+    (
+        // VecInfer encode: the barrier between the scaled rotation's writes and the sub-vectors'
+        // reads, removed.
+        "vq_no_barrier",
+        &["turboquant_mse/encode.metal", "vecinfer/encode.metal"],
+        &[(
+            "  u[c] = y;\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "  u[c] = y;\n",
         )],
     ),
 ];
@@ -114,8 +174,8 @@ fn main() {
         .opt_level(2)
         .file(kernels.join("emu/kvq_emu_runtime.cpp"))
         .file(root.join("cpp/kernels.cpp"));
-    for (name, src, subs) in MUTANTS {
-        let path = mutant(&kernels.join(src), &out, name, subs);
+    for (name, srcs, subs) in MUTANTS {
+        let path = mutant(&kernels, srcs, &out, name, subs);
         build.define(
             &format!("KVQ_MUTANT_{}", name.to_uppercase()),
             Some(&*format!("\"{}\"", path.display())),
@@ -124,15 +184,19 @@ fn main() {
     build.compile("kvq_metal_emu");
 }
 
-fn mutant(src: &Path, out: &Path, name: &str, subs: &[(&str, &str)]) -> PathBuf {
-    let mut text =
-        std::fs::read_to_string(src).unwrap_or_else(|e| panic!("reading {}: {e}", src.display()));
+fn mutant(kernels: &Path, srcs: &[&str], out: &Path, name: &str, subs: &[(&str, &str)]) -> PathBuf {
+    let mut text = String::new();
+    for src in srcs {
+        let path = kernels.join(src);
+        let part = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        text.push_str(&part);
+    }
     for (from, to) in subs {
         let n = text.matches(from).count();
         assert!(
             n == 1,
-            "negative control {name}: the pattern occurs {n} times in {} (expected once):\n{from}",
-            src.display()
+            "negative control {name}: the pattern occurs {n} times in {srcs:?} (expected once):\n{from}"
         );
         text = text.replacen(from, to, 1);
     }

@@ -58,6 +58,22 @@ namespace kvq_combine_no_barrier {
 #include KVQ_MUTANT_COMBINE_NO_BARRIER
 }  // namespace kvq_combine_no_barrier
 
+namespace kvq_prod_wrong_shuffle_lane {
+#include KVQ_MUTANT_PROD_WRONG_SHUFFLE_LANE
+}  // namespace kvq_prod_wrong_shuffle_lane
+
+namespace kvq_prod_no_residual_barrier {
+#include KVQ_MUTANT_PROD_NO_RESIDUAL_BARRIER
+}  // namespace kvq_prod_no_residual_barrier
+
+namespace kvq_group_no_barrier {
+#include KVQ_MUTANT_GROUP_NO_BARRIER
+}  // namespace kvq_group_no_barrier
+
+namespace kvq_vq_no_barrier {
+#include KVQ_MUTANT_VQ_NO_BARRIER
+}  // namespace kvq_vq_no_barrier
+
 namespace {
 
 struct Entry {
@@ -226,6 +242,44 @@ const std::map<std::string, Entry>& table() {
       {"kvq_attend_vq", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq)},
       {"combine_no_barrier/kvq_combine",
        combine<kvq_combine_no_barrier::CombineParams>(kvq_combine_no_barrier::kvq_combine)},
+      // The shared helpers' mistakes reach the kernels built on them.
+      {"xor_butterfly/kvq_encode_vq",
+       encode_vq<kvq_xor_butterfly::VqEncodeParams>(kvq_xor_butterfly::kvq_encode_vq)},
+      {"xor_butterfly/kvq_encode_prod",
+       encode_prod<kvq_xor_butterfly::ProdEncodeParams>(kvq_xor_butterfly::kvq_encode_prod)},
+      {"no_barrier/kvq_encode_vq",
+       encode_vq<kvq_no_barrier::VqEncodeParams>(kvq_no_barrier::kvq_encode_vq)},
+      {"no_barrier/kvq_encode_prod",
+       encode_prod<kvq_no_barrier::ProdEncodeParams>(kvq_no_barrier::kvq_encode_prod)},
+      {"attend_no_barrier/kvq_attend_prod",
+       attend_ten<kvq_attend_no_barrier::ScalarAttendParams>(
+           kvq_attend_no_barrier::kvq_attend_prod)},
+      {"attend_no_barrier/kvq_attend_vq",
+       attend_ten<kvq_attend_no_barrier::ScalarAttendParams>(kvq_attend_no_barrier::kvq_attend_vq)},
+      {"attend_no_score_barrier/kvq_attend_prod",
+       attend_ten<kvq_attend_no_score_barrier::ScalarAttendParams>(
+           kvq_attend_no_score_barrier::kvq_attend_prod)},
+      {"attend_no_score_barrier/kvq_attend_vq",
+       attend_ten<kvq_attend_no_score_barrier::ScalarAttendParams>(
+           kvq_attend_no_score_barrier::kvq_attend_vq)},
+      {"attend_split_overlap/kvq_attend_prod",
+       attend_ten<kvq_attend_split_overlap::ScalarAttendParams>(
+           kvq_attend_split_overlap::kvq_attend_prod)},
+      {"attend_split_overlap/kvq_attend_vq",
+       attend_ten<kvq_attend_split_overlap::ScalarAttendParams>(
+           kvq_attend_split_overlap::kvq_attend_vq)},
+      // The new kernels' own barriers and shuffles.
+      {"prod_wrong_shuffle_lane/kvq_encode_prod",
+       encode_prod<kvq_prod_wrong_shuffle_lane::ProdEncodeParams>(
+           kvq_prod_wrong_shuffle_lane::kvq_encode_prod)},
+      {"prod_no_residual_barrier/kvq_encode_prod",
+       encode_prod<kvq_prod_no_residual_barrier::ProdEncodeParams>(
+           kvq_prod_no_residual_barrier::kvq_encode_prod)},
+      {"group_no_barrier/kvq_encode_group",
+       encode_group<kvq_group_no_barrier::GroupEncodeParams>(
+           kvq_group_no_barrier::kvq_encode_group)},
+      {"vq_no_barrier/kvq_encode_vq",
+       encode_vq<kvq_vq_no_barrier::VqEncodeParams>(kvq_vq_no_barrier::kvq_encode_vq)},
   };
   return t;
 }
