@@ -5,9 +5,9 @@
 //! (relative L2 of the normalized output, log-sum-exp difference); encode by the attention over
 //! codes the GPU wrote against codes the CPU wrote; the nearest-centroid search by the distance
 //! of the centroid it picks; and a whole cache of every builtin method fed the same rows on
-//! both devices. Methods without a Metal kernel yet run through the CPU inside the op; their
-//! rows say so (`via cpu`). Needs the `metal` feature and an Apple GPU; on Linux CI only
-//! type-checks it (scripts/test-metal typecheck).
+//! both devices (VecInfer, which needs a calibration, as codecs over made-up codebooks only).
+//! Every method's codecs have a Metal kernel for encode and attention. Needs the `metal` feature
+//! and an Apple GPU; on Linux CI only type-checks it (scripts/test-metal typecheck).
 #![cfg(feature = "metal")]
 
 use candle_core::{Device, Tensor};
@@ -17,6 +17,7 @@ use kvq_cache::methods::qjl::{GroupCodec, QjlKeyCodec};
 use kvq_cache::methods::turboquant_mse::MseCodec;
 use kvq_cache::methods::turboquant_prod::ProdKeyCodec;
 use kvq_cache::methods::turboquant_rvq::RvqCodec;
+use kvq_cache::methods::vecinfer::codec::{ValueAccum, VqKeyCodec, VqValueCodec};
 use kvq_cache::{CacheError, CacheGeometry, CacheRegistry, CacheSpec};
 use kvq_kernels::{AttendParams, compressed_attend, encode_keys, encode_values};
 use std::sync::Arc;
@@ -64,7 +65,34 @@ struct Case {
     values: Arc<dyn ValueCodec>,
 }
 
-/// Codecs with a fused Metal attention, and one that runs through the CPU (named so).
+/// VecInfer's codecs over made-up codebooks (`[books][256][sub]` Gaussian centroids) and
+/// smoothing factors in [0.5, 2): the kernels' parity does not need trained ones.
+fn vecinfer(
+    d: usize,
+    sub: usize,
+    per_position: bool,
+    s: u64,
+) -> (Arc<VqKeyCodec>, Arc<VqValueCodec>) {
+    let books = if per_position { d / sub } else { 1 };
+    let lambda: Vec<f32> = gauss(KVH * d, s)
+        .into_iter()
+        .map(|x| 0.5 + 1.5 * (0.5 + 0.5 * x.tanh()))
+        .collect();
+    let kb: Vec<f32> = gauss(books * 256 * sub, s + 1)
+        .iter()
+        .map(|x| 0.9 * x)
+        .collect();
+    let vb: Vec<f32> = gauss(books * 256 * sub, s + 2)
+        .iter()
+        .map(|x| 0.9 * x)
+        .collect();
+    let k = VqKeyCodec::new(d, sub, 3, s, &lambda, &kb).expect("vecinfer keys");
+    let v =
+        VqValueCodec::new(d, sub, 3, s, KVH, &vb, ValueAccum::Auto(256)).expect("vecinfer values");
+    (Arc::new(k), Arc::new(v))
+}
+
+/// Every method's codecs, each with a fused Metal attention and Metal encode kernels.
 fn cases(d: usize) -> Vec<Case> {
     let s = 0x5eed;
     let c = |name: &str, k: Arc<dyn KeyCodec>, v: Arc<dyn ValueCodec>| Case {
@@ -76,18 +104,20 @@ fn cases(d: usize) -> Vec<Case> {
     let rvq = |b| Arc::new(RvqCodec::new(d, KVH, b, 3, s).expect("rvq"));
     let group = |b| Arc::new(GroupCodec::new(d, b, 64.min(d)).expect("group"));
     let qjl = |m| Arc::new(QjlKeyCodec::new(d, KVH, m, 1, 3, s).expect("qjl"));
+    let prod = |b| Arc::new(ProdKeyCodec::new(d, KVH, b, 3, s).expect("prod"));
+    let (vk2, vv2) = vecinfer(d, 4, false, s);
+    let (vk1, vv1) = vecinfer(d, 8, true, s);
     vec![
         c("turboquant-mse-2", mse(2), mse(2)),
         c("turboquant-mse-4", mse(4), mse(4)),
         c("turboquant-rvq-4", rvq(4), rvq(4)),
         c("turboquant-rvq-6", rvq(6), rvq(6)),
+        c("turboquant-prod-3", prod(3), mse(3)),
+        c("turboquant-prod-4", prod(4), mse(4)),
         c("qjl-3", qjl(3 * d - d / 8 * 3), group(2)),
         c("qjl-4", qjl(4 * d + 8), group(4)),
-        c(
-            "turboquant-prod-3 (via cpu)",
-            Arc::new(ProdKeyCodec::new(d, KVH, 3, 3, s).expect("prod")),
-            mse(3),
-        ),
+        c("vecinfer-2 (shared books)", vk2, vv2),
+        c("vecinfer-1 (per-position books)", vk1, vv1),
     ]
 }
 
@@ -157,12 +187,12 @@ fn report(title: &str, rows: &[Row], bound: f64) {
 }
 
 /// The fused attention and combine on codes the CPU wrote: decode over 1, 300 and 5000 rows,
-/// GQA 1 and 4, head dim 64 and 128, and a 5-row prefill.
+/// GQA 1 and 4, head dim 64, 128 and 256, and a 5-row prefill.
 #[test]
 fn attend_matches_the_cpu_op() {
     let dev = metal();
     let mut rows = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for c in cases(d) {
             for (group, n, t) in [(1, 1, 1), (4, 300, 1), (4, 5000, 1), (1, 300, 5)] {
                 let nh = KVH * group;
@@ -204,7 +234,7 @@ fn attend_matches_the_cpu_op() {
 fn encode_matches_the_cpu_codec() {
     let dev = metal();
     let mut rows = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for c in cases(d) {
             let (n, nh) = (2000, 2 * KVH);
             let k = host(gauss(KVH * n * d, seed()), &[KVH, n, d]);
@@ -274,8 +304,9 @@ fn nearest_matches_the_cpu_search() {
     }
 }
 
-/// Every builtin method (that needs no calibration) as a whole cache: a 700-token prompt in
-/// chunks, then 8 decode steps, the same rows on the CPU and on Metal.
+/// Every builtin method (that needs no calibration: not VecInfer) as a whole cache, fp16
+/// (candle's Metal SDPA on decode) among them: a 700-token prompt in chunks, then 8 decode
+/// steps, the same rows on the CPU and on Metal.
 #[test]
 fn every_method_as_a_cache() {
     let dev = metal();

@@ -263,7 +263,8 @@ impl CustomOp3 for AttendOp {
         l3: &Layout,
     ) -> Result<(candle_core::MetalStorage, Shape)> {
         use crate::metal::ops;
-        if ops::attend_has_kernel(&*self.keys, &*self.values) {
+        let d = l1.dims().last().copied().unwrap_or(0);
+        if ops::attend_has_kernel(&*self.keys, &*self.values, d) {
             return ops::attend_fwd(&*self.keys, &*self.values, self.p, s1, l1, s2, l2, s3, l3);
         }
         ops::via_cpu(&[s1, s2, s3], |h| {

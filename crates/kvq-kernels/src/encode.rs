@@ -77,21 +77,30 @@ impl CustomOp1 for EncodeOp {
             Codec::Key(c) => (Some(&**c), None),
             Codec::Value(c) => (None, Some(&**c)),
         };
-        match ops::encode_has_kernel(k, v) && l.is_contiguous() {
+        let d = l.dims().last().copied().unwrap_or(0);
+        match ops::encode_has_kernel(k, v, d) && l.is_contiguous() {
             true => ops::encode_fwd(k, v, s, l),
             false => ops::via_cpu(&[s], |h| self.cpu_fwd(&h[0], l)),
         }
     }
 }
 
+fn apply(x: &Tensor, op: EncodeOp) -> Result<Tensor> {
+    if x.device().is_metal() {
+        // The Metal kernels read contiguous rows from the buffer's offset.
+        return x.contiguous()?.apply_op1_no_bwd(&op);
+    }
+    x.apply_op1_no_bwd(&op)
+}
+
 /// Encodes keys `[heads, t, d]` (f32) into codes `[heads, t, code_bytes]` (u8).
 pub fn encode_keys(codec: &Arc<dyn KeyCodec>, x: &Tensor) -> Result<Tensor> {
-    x.apply_op1_no_bwd(&EncodeOp(Codec::Key(codec.clone())))
+    apply(x, EncodeOp(Codec::Key(codec.clone())))
 }
 
 /// Encodes values `[heads, t, d]` (f32) into codes `[heads, t, code_bytes]` (u8).
 pub fn encode_values(codec: &Arc<dyn ValueCodec>, x: &Tensor) -> Result<Tensor> {
-    x.apply_op1_no_bwd(&EncodeOp(Codec::Value(codec.clone())))
+    apply(x, EncodeOp(Codec::Value(codec.clone())))
 }
 
 /// The definition the encode op is tested against: each row encoded in order on one thread.

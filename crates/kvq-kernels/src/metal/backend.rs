@@ -6,7 +6,7 @@
 
 use super::dispatch::Dispatch;
 use crate::KernelData;
-use crate::spec::{KeySpec, ScalarSpec, ValueSpec};
+use crate::spec::{KeySpec, ScalarSpec, ValueSpec, VqSpec};
 use candle_core::{MetalDevice, Result, bail};
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use objc2_metal::MTLSize;
@@ -14,9 +14,11 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The kernel sources, by the file they come from (one library each: the files define helpers
-/// of the same names).
-pub const SOURCES: [(&str, &str); 6] = [
+/// The kernel sources, one library each, by the name the dispatches use. Most are one file; a
+/// file that builds on another's helpers (`attend_codes`, `scalar_encode_row`, `fwht_row`) is
+/// compiled after it in one library, as the emulator (crates/kvq-metal-emu/cpp/kernels.cpp)
+/// includes them.
+pub const SOURCES: [(&str, &str); 9] = [
     (
         "common/bitpack",
         include_str!("../../../../kernels/metal/common/bitpack.metal"),
@@ -34,6 +36,20 @@ pub const SOURCES: [(&str, &str); 6] = [
         include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
     ),
     (
+        "turboquant_prod/encode",
+        concat!(
+            include_str!("../../../../kernels/metal/turboquant_mse/encode.metal"),
+            include_str!("../../../../kernels/metal/turboquant_prod/encode.metal"),
+        ),
+    ),
+    (
+        "turboquant_prod/attend",
+        concat!(
+            include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
+            include_str!("../../../../kernels/metal/turboquant_prod/attend.metal"),
+        ),
+    ),
+    (
         "qjl/encode",
         include_str!("../../../../kernels/metal/qjl/encode.metal"),
     ),
@@ -41,12 +57,24 @@ pub const SOURCES: [(&str, &str); 6] = [
         "qjl/attend",
         include_str!("../../../../kernels/metal/qjl/attend.metal"),
     ),
+    (
+        "vecinfer/attend",
+        concat!(
+            include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
+            include_str!("../../../../kernels/metal/vecinfer/attend.metal"),
+        ),
+    ),
 ];
 
-/// The `vecinfer/encode` source is separate: [`SOURCES`] lists the files with decode kernels.
+/// The `vecinfer/encode` library (`kvq_nearest`, and `kvq_encode_vq` on
+/// turboquant_mse/encode.metal's `fwht_row`), apart from [`SOURCES`]: the nearest-centroid op
+/// uses it on its own.
 pub const NEAREST_SOURCE: (&str, &str) = (
     "vecinfer/encode",
-    include_str!("../../../../kernels/metal/vecinfer/encode.metal"),
+    concat!(
+        include_str!("../../../../kernels/metal/turboquant_mse/encode.metal"),
+        include_str!("../../../../kernels/metal/vecinfer/encode.metal"),
+    ),
 );
 
 fn err(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
@@ -198,20 +226,43 @@ impl ScalarBufs {
     }
 }
 
-/// A key codec's device arrays: the ones a Metal kernel reads (`None`: no Metal kernel for this
-/// spec; the op runs it through the CPU).
-pub enum KeyBufs {
-    Scalar(ScalarBufs),
-    Sketch(Arc<Buffer>),
-    None,
+/// A [`VqSpec`]'s arrays on a device.
+pub struct VqBufs {
+    pub books: Arc<Buffer>,
+    pub signs: Arc<Buffer>,
+    /// Keys: the smoothing factors `[heads][d]`; values have none.
+    pub lambda: Option<Arc<Buffer>>,
 }
 
-/// A value codec's device arrays.
+impl VqBufs {
+    fn new(dev: &MetalDevice, s: &VqSpec) -> Result<Self> {
+        Ok(Self {
+            books: upload(dev, &s.books)?,
+            signs: upload(dev, &s.signs)?,
+            lambda: match s.lambda.is_empty() {
+                true => None,
+                false => Some(upload(dev, &s.lambda)?),
+            },
+        })
+    }
+}
+
+/// A key codec's device arrays, by its spec.
+pub enum KeyBufs {
+    Scalar(ScalarBufs),
+    /// TurboQuant-Prod: the scalar stage's arrays and the residual sketch's matrices.
+    ScalarSketch(ScalarBufs, Arc<Buffer>),
+    /// QJL: the sketch matrices.
+    Sketch(Arc<Buffer>),
+    ProductVq(VqBufs),
+}
+
+/// A value codec's device arrays, by its spec.
 pub enum ValueBufs {
     Scalar(ScalarBufs),
     /// Group values need no arrays.
     Group,
-    None,
+    ProductVq(VqBufs),
 }
 
 /// The device arrays of a key codec on `dev`, uploaded the first time.
@@ -219,8 +270,12 @@ pub fn key_bufs(dev: &MetalDevice, data: &KernelData<KeySpec>) -> Result<Arc<Key
     data.device.get_or_try_insert(&device_key(dev), || {
         Ok(match &data.spec {
             KeySpec::Scalar(s) => KeyBufs::Scalar(ScalarBufs::new(dev, s)?),
+            KeySpec::ScalarSketch { scalar, sketch } => KeyBufs::ScalarSketch(
+                ScalarBufs::new(dev, scalar)?,
+                upload(dev, &sketch.matrices)?,
+            ),
             KeySpec::Sketch { sketch, .. } => KeyBufs::Sketch(upload(dev, &sketch.matrices)?),
-            KeySpec::ScalarSketch { .. } | KeySpec::ProductVq(_) => KeyBufs::None,
+            KeySpec::ProductVq(v) => KeyBufs::ProductVq(VqBufs::new(dev, v)?),
         })
     })
 }
@@ -231,7 +286,7 @@ pub fn value_bufs(dev: &MetalDevice, data: &KernelData<ValueSpec>) -> Result<Arc
         Ok(match &data.spec {
             ValueSpec::Scalar(s) => ValueBufs::Scalar(ScalarBufs::new(dev, s)?),
             ValueSpec::Group { .. } => ValueBufs::Group,
-            ValueSpec::ProductVq(_) => ValueBufs::None,
+            ValueSpec::ProductVq(v) => ValueBufs::ProductVq(VqBufs::new(dev, v)?),
         })
     })
 }

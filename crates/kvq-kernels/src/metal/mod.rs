@@ -5,8 +5,12 @@
 //! caches, dispatch encoding) and the ops' `metal_fwd` bodies.
 
 #[cfg(feature = "metal")]
+mod attend_ops;
+#[cfg(feature = "metal")]
 pub mod backend;
 pub mod dispatch;
+#[cfg(feature = "metal")]
+mod encode_ops;
 #[cfg(feature = "metal")]
 pub(crate) mod ops;
 pub mod params;
