@@ -1,8 +1,9 @@
 //! The dense caches on a GPU: keys and values in two growing device buffers
-//! (`[kv heads, capacity, d]` of the cache's dtype), written in place. Decode (a few query
-//! rows) over fp16 runs the fused CUDA decode attention (online softmax, split over the
-//! sequence, no score matrix); prompt chunks run batched matmuls with a causal mask, in slices of
-//! query rows that bound the score matrix.
+//! (`[kv heads, capacity, d]` of the cache's dtype), written in place. Decode over fp16 runs a
+//! fused decode attention (online softmax, no score matrix): on CUDA kvq's own (a few query
+//! rows, split over the sequence), on Metal candle's SDPA vector kernel (one query row); prompt
+//! chunks run batched matmuls with a causal mask, in slices of query rows that bound the score
+//! matrix.
 
 use super::Element;
 use crate::Result;
@@ -48,6 +49,12 @@ pub(crate) fn causal_mask_on(
     let never = Tensor::full(f32::NEG_INFINITY, shape, dev)?;
     Ok(ok.where_cond(&zero, &never)?)
 }
+
+/// Head dims candle's Metal SDPA vector kernels are built for (`candle_metal_kernels::
+/// call_sdpa_vector` and its two-pass twin name a kernel for each; 512 too, past what kvq's
+/// models use).
+#[cfg(feature = "metal")]
+const METAL_SDPA_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
 
 /// Keys and values of a dense cache on the device.
 pub(super) struct DeviceRows {
@@ -145,6 +152,14 @@ impl DeviceRows {
         {
             return self.decode_cuda(geom, q, len, scale);
         }
+        #[cfg(feature = "metal")]
+        if t == 1
+            && self.k.dtype() == DType::F16
+            && q.device().is_metal()
+            && METAL_SDPA_DIMS.contains(&d)
+        {
+            return self.decode_metal(geom, q, len, scale);
+        }
         let kvh = geom.n_kv_heads;
         let group = nh / kvh;
         let from = window_start(len - t, geom.sliding_window).max(self.first());
@@ -171,6 +186,38 @@ impl DeviceRows {
             outs.push(o.reshape((nh, rows, d))?);
         }
         Ok(Tensor::cat(&outs, 1)?)
+    }
+
+    /// One query row over fp16 on Metal: candle's fused SDPA vector kernel (online softmax,
+    /// two passes over the sequence from 1024 positions, GQA without tiling the keys), reading
+    /// the held rows in place: the kernel takes the kv-head stride of the view
+    /// (`[1, kv heads, positions, d]` of the `[kv heads, capacity, d]` buffer) and rows `d`
+    /// apart. The row is the last position, so every position from the window's start is
+    /// visible and no mask is needed.
+    #[cfg(feature = "metal")]
+    fn decode_metal(
+        &self,
+        geom: &CacheGeometry,
+        q: &Tensor,
+        len: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (nh, _, d) = q.dims3()?;
+        let from = window_start(len - 1, geom.sliding_window).max(self.first());
+        let (Some(k), Some(v)) = (self.k.range(from, len)?, self.v.range(from, len)?) else {
+            return Err(crate::CacheError::Shape("attend before any append".into()));
+        };
+        let q16 = q.to_dtype(DType::F16)?.unsqueeze(0)?;
+        let out = candle_nn::ops::sdpa(
+            &q16,
+            &k.unsqueeze(0)?,
+            &v.unsqueeze(0)?,
+            None,
+            false,
+            scale,
+            1.0,
+        )?;
+        Ok(out.to_dtype(DType::F32)?.reshape((nh, 1, d))?)
     }
 
     /// The fused fp16 decode kernel: each query row at position `pos` reads positions
