@@ -70,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder (created); torch_baselines.json goes there")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: positions 4096 and 32768, batch 1, fewer reps")
+    p.add_argument("--only", default=None,
+                   help="SHAPE:BATCH:POSITIONS[:METHOD][,...] patterns (`*` for any part, METHOD "
+                        "ignored): time only the attention rows that match (kvq's benchmark takes "
+                        "the same patterns)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and exit without importing torch")
     return p.parse_args(argv)
@@ -104,13 +108,27 @@ def rotation_sets(one_set_bytes):
     return int(n)
 
 
-def attention_plan(quick):
+def wanted(only, name, b, n):
+    """Whether (shape, batch, positions) matches one of the --only patterns (all when None)."""
+    if not only:
+        return True
+    for pat in only.split(","):
+        f = pat.split(":")
+        ok = lambda i, v: i >= len(f) or f[i] in ("*", str(v))
+        if ok(0, name) and ok(1, b) and ok(2, n):
+            return True
+    return False
+
+
+def attention_plan(quick, only=None):
     positions = POSITIONS_QUICK if quick else POSITIONS_FULL
     batches = BATCHES_QUICK if quick else BATCHES_FULL
     plan = []
     for name, hq, hkv, d in ATTN_SHAPES:
         for b in batches:
             for n in positions:
+                if not wanted(only, name, b, n):
+                    continue
                 sb = set_bytes_of(b, hq, hkv, n, d)
                 plan.append(dict(shape=name, batch=b, positions=n, q_heads=hq, kv_heads=hkv, head_dim=d,
                                  kv_bytes=kv_bytes_of(b, hkv, n, d), sets=rotation_sets(sb), set_bytes=sb))
@@ -500,7 +518,7 @@ def dry_run(args):
     cfg = reps_config(args.quick)
     log(f"plan ({'quick' if args.quick else 'full'}): out {os.path.join(args.out, 'torch_baselines.json')}")
     log(f"copy: {COPY_BYTES / GIB:.0f} GiB fp16, warm-up {cfg['copy_warmup']}, reps {cfg['copy_reps']}")
-    for p in attention_plan(args.quick):
+    for p in attention_plan(args.quick, args.only):
         log(f"attention {p['shape']:<11} B={p['batch']} N={p['positions']:>6} Hq={p['q_heads']} "
             f"Hkv={p['kv_heads']} D={p['head_dim']} kv {p['kv_bytes'] / MIB:8.0f} MiB, "
             f"{p['sets']:2d} sets = {p['sets'] * p['set_bytes'] / MIB:7.0f} MiB")
@@ -551,8 +569,10 @@ def main(argv=None):
     write_json(out_path, result)
 
     # 2. attention: check per shape, then time every (batch, positions)
-    plan = attention_plan(args.quick)
+    plan = attention_plan(args.quick, args.only)
     for name, hq, hkv, d in ATTN_SHAPES:
+        if not any(p["shape"] == name for p in plan):
+            continue
         rec, modes = attention_check(name, hq, hkv, d)
         result["checks"].append(rec)
         for p in plan:

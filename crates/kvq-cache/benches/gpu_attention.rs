@@ -203,14 +203,20 @@ fn main() -> R<()> {
             .cloned()
     };
     let quick = args.iter().any(|a| a == "--quick");
-    // `--only SHAPE:BATCH:POSITIONS:METHOD[,...]` (any part may be `*`): the configurations
-    // matching one of the patterns (one, for a profiler).
+    // `--only SHAPE:BATCH:POSITIONS:METHOD[,...]` (any part may be `*`, or end in `*` to match
+    // a prefix): the configurations matching one of the patterns (one, for a profiler).
     let only = arg("--only");
     let wanted = |shape: &str, b: usize, n: usize, method: &str| {
         only.as_deref().is_none_or(|o| {
             o.split(',').any(|pat| {
                 let f: Vec<&str> = pat.split(':').collect();
-                let ok = |i: usize, v: &str| f.get(i).is_none_or(|x| *x == "*" || *x == v);
+                // `*` matches anything, `prefix*` what starts with prefix.
+                let ok = |i: usize, v: &str| {
+                    f.get(i).is_none_or(|x| match x.strip_suffix('*') {
+                        Some(pre) => v.starts_with(pre),
+                        None => *x == v,
+                    })
+                };
                 ok(0, shape) && ok(1, &b.to_string()) && ok(2, &n.to_string()) && ok(3, method)
             })
         })

@@ -25,6 +25,7 @@ mod codec;
 pub mod cuda;
 mod dense_scores;
 mod encode;
+pub mod fast_geometry;
 mod math;
 pub mod metal;
 mod nearest;

@@ -24,6 +24,7 @@ struct ScalarParams {
   const float* signs;   // [kvh][D]
   int bits;
   float sigma;
+  float lev;  // the fast kernels' f16 tables hold levels * lev (chosen to round nearly exactly)
 };
 
 // Scores: state = [D][GB] query rotated times sigma, then [GB][D] scratch, then 64 levels.

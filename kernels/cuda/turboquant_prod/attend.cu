@@ -3,16 +3,10 @@
 // stage(q) + ||r|| * sqrt(pi/2)/m <S q, sign(S r)>; values are the scalar codebook of
 // TurboQuant-MSE. The tensor-core kernel (turboquant_mse/mma.cuh with the sketch term) runs the
 // stage / value widths instantiated below; other pairs run the CUDA-core kernel.
-#include "../common/sketch.cuh"
 #include "../turboquant_mse/mma.cuh"
-#include "../turboquant_mse/scalar.cuh"
+#include "params.cuh"
 
 namespace kvq {
-
-struct ProdParams {
-  ScalarParams scalar;
-  SketchParams sketch;
-};
 
 // State: the scalar stage's state, then the sketch's.
 struct ProdKeys {

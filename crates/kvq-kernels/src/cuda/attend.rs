@@ -451,6 +451,24 @@ pub fn launch(
             l.t
         )
     }
+    // Decode over scalar-codebook codes: the version-5 kernel, one launch with the merge.
+    if let Some(fp) = super::fast::plan(l, &k, &v) {
+        let mut extras = super::fast::Extras::default();
+        if let Some(x) = extra {
+            let (n, d) = (x.n as i64, d as i64);
+            extras.segments[0] = super::fast::Segment {
+                keys: x.keys,
+                values: x.values,
+                b_stride: l.n_kv_heads as i64 * n * d,
+                h_stride: n * d,
+                n: x.n,
+            };
+            extras.shift = x.shift;
+        }
+        if extras.aligned(d) {
+            return super::fast::launch(dev, l, &fp, q, &k, &v, &extras, d + 2, normalize);
+        }
+    }
     let pl = plan(l, &k, &v)?;
     // Rows the longest query row reads; splits so that every multiprocessor gets blocks.
     let max_rows = (0..l.t)

@@ -4,8 +4,10 @@
 
 pub mod attend;
 pub mod encode;
+pub mod fast;
 pub mod ops;
 mod params;
+pub mod step;
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, sys,
@@ -21,8 +23,7 @@ mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 
-/// Largest dynamic shared memory a block may ask for on sm_90 (227 KiB).
-pub const MAX_SMEM: usize = 227 * 1024;
+pub use crate::fast_geometry::MAX_SMEM;
 
 /// Maps a CUDA driver error into candle's error, naming what failed.
 pub(crate) fn drv<T>(r: std::result::Result<T, impl std::fmt::Debug>, what: &str) -> Result<T> {

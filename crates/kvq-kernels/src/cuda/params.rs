@@ -70,6 +70,31 @@ pub struct ScalarParams {
     pub signs: u64,
     pub bits: i32,
     pub sigma: f32,
+    /// The fast kernels' f16 level tables hold `levels * lev` ([`crate::fast_geometry::f16_scale`]).
+    pub lev: f32,
+}
+
+/// The version-5 kernels' extra arguments (kernels/cuda/turboquant_mse/fast.cuh `FastArgs`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FastArgs {
+    /// Exact fp16 rows: segment s of (b, kv head) at `xk[s] + 2 * (b * xb[s] + kh * xh[s])`.
+    pub xk: [u64; 2],
+    pub xv: [u64; 2],
+    pub xb: [i64; 2],
+    pub xh: [i64; 2],
+    pub xn: [i32; 2],
+    /// `[kvh][d]` f32 key center, or 0.
+    pub mu: u64,
+    /// `[B][nh][T][ostride]` f32.
+    pub out: u64,
+    /// `[B*T][kvh*hchunks]` u32 arrival counters, zero between launches.
+    pub counters: u64,
+    pub ostride: i32,
+    pub normalize: i32,
+    pub exact: i32,
+    /// `[B][nh][T]` f32 added to the code logits when `mu` is 0, or 0.
+    pub shift: u64,
 }
 
 #[repr(C)]
@@ -142,6 +167,10 @@ pub struct EncodeArgs {
     pub t: i32,
     pub out: u64,
     pub cb: i32,
+    /// Bytes between heads' code rows (`t * cb`: contiguous `[rows][cb]`).
+    pub out_hstride: i64,
+    /// `[heads][d]` f32: the kernel codes `f16(x) - mu` (a centered cache's keys), or 0.
+    pub mu: u64,
 }
 
 #[repr(C)]
@@ -187,6 +216,7 @@ unsafe impl DeviceRepr for AttendArgs {}
 unsafe impl DeviceRepr for ProjectArgs {}
 unsafe impl DeviceRepr for CombineArgs {}
 unsafe impl DeviceRepr for ScalarParams {}
+unsafe impl DeviceRepr for FastArgs {}
 unsafe impl DeviceRepr for ProdParams {}
 unsafe impl DeviceRepr for QjlKeyParams {}
 unsafe impl DeviceRepr for GroupParams {}
@@ -206,6 +236,7 @@ pub struct ScalarDev {
     signs: CudaSlice<f32>,
     bits: i32,
     sigma: f32,
+    lev: f32,
 }
 
 impl ScalarDev {
@@ -220,6 +251,11 @@ impl ScalarDev {
             signs: upload(dev, &s.signs)?,
             bits: s.bits as i32,
             sigma: s.sigma,
+            // Only the version-5 kernels (up to 4 bits) read it.
+            lev: match s.bits <= 4 {
+                true => crate::fast_geometry::f16_scale(&s.levels),
+                false => 1.0,
+            },
         })
     }
 
@@ -230,6 +266,7 @@ impl ScalarDev {
             signs: address(&self.signs, &st, 0),
             bits: self.bits,
             sigma: self.sigma,
+            lev: self.lev,
         }
     }
 

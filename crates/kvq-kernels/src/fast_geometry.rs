@@ -1,0 +1,137 @@
+//! The geometry of the version-5 CUDA decode attention that needs no GPU (kernels/cuda/
+//! turboquant_mse/fast.cuh; launched by cuda/fast.rs): the f16 scale of a level table, the
+//! shared-memory layout of a block, the number of splits. Plain functions, tested in CI.
+
+/// Largest dynamic shared memory a block may ask for on sm_90 (227 KiB).
+pub const MAX_SMEM: usize = 227 * 1024;
+
+/// Most code splits plus the exact block per (row, kv head) (`KVQ_FAST_MAX_SLOTS`).
+pub const MAX_SLOTS: usize = 256;
+
+/// A scale `s` in [1, 2) for which every level times `s` rounds to f16 with the smallest
+/// largest relative error (the fast kernels' tables hold `level * s` in f16 and divide `s` back
+/// out): at 1 and 2 bits the few distinct magnitudes round nearly exactly, at 4 bits the worst
+/// level's error falls from ~3e-4 to ~1e-4 (Lloyd-Max Gaussian levels).
+pub fn f16_scale(levels: &[f32]) -> f32 {
+    let mut mags: Vec<f32> = levels
+        .iter()
+        .map(|x| x.abs())
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .collect();
+    mags.sort_by(f32::total_cmp);
+    mags.dedup();
+    if mags.is_empty() {
+        return 1.0;
+    }
+    const STEPS: usize = 1 << 14;
+    let worst = |s: f32| {
+        mags.iter()
+            .map(|&m| {
+                let x = m * s;
+                ((half::f16::from_f32(x).to_f32() - x) / x).abs()
+            })
+            .fold(0f32, f32::max)
+    };
+    let mut best = (worst(1.0), 1.0f32);
+    for i in 1..STEPS {
+        let s = 1.0 + i as f32 / STEPS as f32;
+        let w = worst(s);
+        if w < best.0 {
+            best = (w, s);
+        }
+    }
+    best.1
+}
+
+/// Shared-memory bytes of a block (fast.cuh `fast_layout`, field for field).
+pub fn smem(
+    d: usize,
+    (kb, vb): (usize, usize),
+    sketch: bool,
+    (nw, stages): (usize, usize),
+    (kcb, vcb): (usize, usize),
+) -> usize {
+    let mut at = (1usize << (2 * kb.max(vb))) * 256;
+    if sketch {
+        at += 16 * 256;
+    }
+    at += 8 * d * 4;
+    if d > 128 {
+        at += (d / 16) * 32 * 16;
+    }
+    if sketch {
+        at += (d / 16) * 32 * 16 + 4 * 8 * d * 4;
+    }
+    at += 2 * nw * 8 * 4 + 16;
+    let stage = |cb: usize| (16 * cb + 32 + 15) & !15;
+    let stages = nw * stages * (stage(kcb) + stage(vcb));
+    let merge = nw * 8 * (d + d / 16 + 1) * 4;
+    let fin = 8 * (MAX_SLOTS + 1) * 4 + 8 * d * 4;
+    at + stages.max(merge).max(fin)
+}
+
+/// Code splits per (row, kv head) pair, at most `most`: as many as fit one wave of one block per
+/// multiprocessor (each block builds its lookup tables once; a second wave of smaller blocks
+/// would repeat that for a few percent of balance). The exact rows' blocks are short and left out.
+pub fn splits(pairs: usize, sms: usize, most: usize) -> usize {
+    (sms / pairs.max(1)).clamp(1, most.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_scale_rounds_few_levels_nearly_exactly() {
+        let err = |levels: &[f32], s: f32| {
+            levels
+                .iter()
+                .map(|&x| ((half::f16::from_f32(x * s).to_f32() - x * s) / (x * s)).abs())
+                .fold(0f32, f32::max)
+        };
+        // 2-bit Lloyd-Max Gaussian levels: two magnitudes.
+        let two = [-1.510_418, -0.452_780_7, 0.452_780_7, 1.510_418];
+        let s = f16_scale(&two);
+        assert!((1.0..2.0).contains(&s));
+        assert!(err(&two, s) < 2e-5, "{}", err(&two, s));
+        assert!(err(&two, s) <= err(&two, 1.0));
+        // More levels: never worse than no scale.
+        let many: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.3711).collect();
+        assert!(err(&many, f16_scale(&many)) <= err(&many, 1.0));
+        assert_eq!(f16_scale(&[]), 1.0);
+        assert_eq!(f16_scale(&[0.0]), 1.0);
+    }
+
+    #[test]
+    fn splits_fill_one_wave() {
+        // Llama-3-8B: 8 kv heads at batch 1, 64 at batch 8; Falcon3-7B: 4 and 32.
+        assert_eq!(splits(8, 132, 255), 16);
+        assert_eq!(splits(64, 132, 255), 2);
+        assert_eq!(splits(4, 132, 255), 33);
+        assert_eq!(splits(32, 132, 255), 4);
+        // Short rows cap the splits; many pairs take one each.
+        assert_eq!(splits(8, 132, 3), 3);
+        assert_eq!(splits(1000, 132, 255), 1);
+    }
+
+    #[test]
+    fn smem_fits_every_instantiated_width() {
+        for d in [64, 128, 256] {
+            let nw = if d > 128 { 8 } else { 16 };
+            for b in 1..=4 {
+                let cb = 2 + d * b / 8;
+                assert!(
+                    smem(d, (b, b), false, (nw, 3), (cb, cb)) <= MAX_SMEM,
+                    "d {d} b {b}"
+                );
+            }
+            for (kb, vb) in [(1, 1), (1, 2), (2, 2), (2, 3), (3, 3), (3, 4)] {
+                let (kcb, vcb) = (4 + d * kb / 8 + d / 8, 2 + d * vb / 8);
+                assert!(
+                    smem(d, (kb, vb), true, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
+                    "prod d {d} {kb}/{vb}"
+                );
+            }
+        }
+    }
+}
