@@ -49,19 +49,32 @@ impl RowBuf {
     /// Writes `rows` (`[heads, t, width]`, this buffer's dtype) for positions `len..len + t`;
     /// positions before `keep_from` may be dropped (they are when the buffer has to grow).
     pub fn write(&mut self, rows: &Tensor, len: usize, keep_from: usize) -> Result<()> {
-        let t = rows.dim(1)?;
+        let (buf, row) = self.reserve(len, rows.dim(1)?, keep_from, rows.device())?;
+        buf.slice_set(&rows.contiguous()?, 1, row)?;
+        Ok(())
+    }
+
+    /// Makes room for `t` rows at positions `len..len + t` (as [`Self::write`] does) and returns
+    /// the buffer and the row where position `len` goes, for a kernel that writes them in place.
+    pub fn reserve(
+        &mut self,
+        len: usize,
+        t: usize,
+        keep_from: usize,
+        dev: &Device,
+    ) -> Result<(Tensor, usize)> {
         if self.buf.is_none() || len < self.first || len - self.first + t > self.cap {
             let first = keep_from.max(self.first.min(len)).min(len);
             let live = len - first;
             // A rolling buffer keeps a step of slack so it is reallocated once per step.
             let slack = if first > 0 { self.step } else { 0 };
             let cap = (live + t).div_ceil(self.step) * self.step + slack;
-            self.realloc(first, live, cap, rows.device())?;
+            self.realloc(first, live, cap, dev)?;
         }
-        if let Some(buf) = &self.buf {
-            buf.slice_set(&rows.contiguous()?, 1, len - self.first)?;
+        match &self.buf {
+            Some(buf) => Ok((buf.clone(), len - self.first)),
+            None => Err(crate::CacheError::Shape("row buffer not allocated".into())),
         }
-        Ok(())
     }
 
     /// Moves the live rows `first..first + live` into a fresh buffer of `cap` rows.

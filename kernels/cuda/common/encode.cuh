@@ -11,9 +11,24 @@ struct EncodeArgs {
   const float* x;   // [rows][D] f32, row i belongs to head i / t
   long long rows;
   int t;
-  uint8_t* out;     // [rows][cb]
+  uint8_t* out;     // row i at out + (i / t) * out_hstride + (i % t) * cb
   int cb;
+  long long out_hstride;  // bytes between heads' rows (t * cb: [rows][cb] contiguous)
+  const float* mu;        // [heads][D]: the input is f16(x) - mu (a centered cache's keys), or null
 };
+
+// Coordinate c of input row i, centered when the launch gives a center (the f16 rounding and
+// subtraction kvq-cache center.rs applies to keys before they are coded).
+__device__ inline float enc_in(const EncodeArgs& a, long long i, int c, int D) {
+  const float x = a.x[i * D + c];
+  if (a.mu == nullptr) return x;
+  return __half2float(__float2half_rn(x)) - __ldg(a.mu + (i / a.t) * D + c);
+}
+
+// Code row i.
+__device__ inline uint8_t* enc_out(const EncodeArgs& a, long long i) {
+  return a.out + (i / a.t) * a.out_hstride + (i % a.t) * a.cb;
+}
 
 // Sum over the block's D threads (D a multiple of 32, <= 1024); every thread gets the result.
 __device__ inline float block_sum(float v, float* red) {

@@ -21,8 +21,8 @@ __device__ void qjl_key_encode(const kvq::EncodeArgs& a, const QjlKeyEncodeParam
   __shared__ int besti[32];
   const long long i = blockIdx.x;
   const int head = (int)(i / a.t), c = threadIdx.x;
-  uint8_t* out = a.out + i * a.cb;
-  const float xv = a.x[i * D + c];
+  uint8_t* out = kvq::enc_out(a, i);
+  const float xv = kvq::enc_in(a, i, c, D);
   float rest = xv;
   taken[c] = 0;
   const int at = 2 + p.m / 8;
@@ -150,8 +150,8 @@ __device__ void group_encode(const kvq::EncodeArgs& a, const GroupEncodeParams& 
   __shared__ uint8_t idx[D];
   const long long i = blockIdx.x;
   const int c = threadIdx.x, groups = D / p.group;
-  uint8_t* out = a.out + i * a.cb;
-  x[c] = a.x[i * D + c];
+  uint8_t* out = kvq::enc_out(a, i);
+  x[c] = kvq::enc_in(a, i, c, D);
   __syncthreads();
   const float levels = (float)((1 << p.bits) - 1);
   if (c < groups) {

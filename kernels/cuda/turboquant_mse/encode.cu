@@ -44,7 +44,8 @@ __device__ void scalar_encode(const kvq::EncodeArgs& a, const kvq::ScalarEncodeP
   __shared__ float red[32];
   const long long i = blockIdx.x;
   const int head = (int)(i / a.t);
-  kvq::scalar_encode_row(p, head, a.x[i * D + threadIdx.x], u, idx, red, a.out + i * a.cb, D);
+  kvq::scalar_encode_row(p, head, kvq::enc_in(a, i, threadIdx.x, D), u, idx, red,
+                         kvq::enc_out(a, i), D);
 }
 
 #define KVQ_SCALAR_ENCODE(D)                                                                 \

@@ -17,8 +17,8 @@ __device__ void prod_encode(const kvq::EncodeArgs& a, const ProdEncodeParams& p)
   __shared__ float red[32];
   const long long i = blockIdx.x;
   const int head = (int)(i / a.t), c = threadIdx.x;
-  uint8_t* out = a.out + i * a.cb;
-  const float xv = a.x[i * D + c];
+  uint8_t* out = kvq::enc_out(a, i);
+  const float xv = kvq::enc_in(a, i, c, D);
   const float norm = kvq::scalar_encode_row(p.scalar, head, xv, u, idx, red, out, D);
   // Decode the stage: w * levels[idx], then x <- D H x / sqrt(D).
   __syncthreads();

@@ -72,7 +72,7 @@ __device__ void vq_encode(const kvq::EncodeArgs& a, const VqEncodeParams& p) {
   __shared__ float u[D];
   const long long i = blockIdx.x;
   const int head = (int)(i / a.t), c = threadIdx.x;
-  float xv = a.x[i * D + c];
+  float xv = kvq::enc_in(a, i, c, D);
   if (p.lambda) xv *= 1.f / __ldg(p.lambda + (long long)head * D + c);
   u[c] = xv * __ldg(p.signs + (long long)head * D + c);
   kvq::fwht_row(u, D);
@@ -83,7 +83,7 @@ __device__ void vq_encode(const kvq::EncodeArgs& a, const VqEncodeParams& p) {
     const float* book = p.books + (long long)(p.nb == 1 ? 0 : c) * 256 * p.sub;
     const unsigned k = p.sub == 4 ? kvq::nearest<4>(u + c * 4, book)
                                   : kvq::nearest<8>(u + c * 8, book);
-    a.out[i * a.cb + c] = (uint8_t)k;
+    kvq::enc_out(a, i)[c] = (uint8_t)k;
   }
 }
 

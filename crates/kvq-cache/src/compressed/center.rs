@@ -153,6 +153,27 @@ impl KeyCenter {
         )
     }
 
+    /// How a device cache codes the keys of an append of `t` rows at `len` without reading them
+    /// back: `Some(None)` raw, `Some(Some(mu))` centered by `mu` (`[kv heads, d, 1]` f32; the
+    /// encode kernel rounds to f16 and subtracts, as [`Self::keys_to_encode`] does); `None` when
+    /// the append must go through `keys_to_encode` (it fixes the center, or the cache is on the
+    /// host).
+    #[cfg(feature = "cuda")]
+    pub(super) fn device_encoding(&self, len: usize, t: usize) -> Option<Option<&Tensor>> {
+        match &self.center {
+            Center::Off => Some(None),
+            Center::Pending if len + t < self.sinks + CENTER_ROWS => Some(None),
+            Center::Pending => None,
+            Center::On { .. } => self.mu_dev.as_ref().map(Some),
+        }
+    }
+
+    /// The center on the device (`[kv heads, d, 1]` f32), when keys are coded centered there.
+    #[cfg(feature = "cuda")]
+    pub(super) fn mu_device(&self) -> Option<&Tensor> {
+        self.mu_dev.as_ref()
+    }
+
     /// `q . mu` of kv head `kh`: what the codes' scores lack.
     pub(super) fn center_score(&self, kh: usize, q: &[f32]) -> f32 {
         let d = self.geom.head_dim;

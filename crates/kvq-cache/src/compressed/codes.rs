@@ -80,6 +80,27 @@ impl Codes {
         Ok(())
     }
 
+    /// [`Self::write`] on CUDA for keys `k` and values `v` at positions `len..`: the encode
+    /// kernels write straight into the code rows and center the keys by `mu` themselves (see
+    /// `KeyCenter::device_encoding`).
+    #[cfg(feature = "cuda")]
+    pub(super) fn write_cuda(
+        &mut self,
+        k: &Tensor,
+        mu: Option<&Tensor>,
+        v: &Tensor,
+        len: usize,
+        keep_from: usize,
+    ) -> Result<()> {
+        use kvq_kernels::cuda::step::{Codec, encode_rows_into};
+        let t = k.dim(1)?;
+        let (kb, kr) = self.key_codes.reserve(len, t, keep_from, k.device())?;
+        encode_rows_into(Codec::Keys(&*self.keys), k, mu, &kb, kr)?;
+        let (vb, vr) = self.val_codes.reserve(len, t, keep_from, v.device())?;
+        encode_rows_into(Codec::Values(&*self.values), v, None, &vb, vr)?;
+        Ok(())
+    }
+
     /// Drops every row: an exact layer reads every key from fp16, so codes would only take
     /// memory.
     pub(super) fn clear(&mut self) {

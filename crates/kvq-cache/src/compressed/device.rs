@@ -50,6 +50,37 @@ impl CompressedCache {
         let (nh, _, d) = q.dims3()?;
         let pos = self.len - 1;
         let (start, c0, c1) = p.ranges(pos);
+        let ((sink_k, recent_k), (sink_v, recent_v)) = (self.exact.keys(), self.exact.values());
+        if let Some((kc, vc)) = &codes {
+            // One launch over the codes and the fp16 rows in place, when a version-5 kernel
+            // takes these codecs.
+            let seg = |k: &Fp16Rows, v: &Fp16Rows, from: usize, to: usize| -> Result<_> {
+                Ok(
+                    match (to > from, k.dev_range(from, to)?, v.dev_range(from, to)?) {
+                        (true, Some(k), Some(v)) => Some((k, v)),
+                        _ => None,
+                    },
+                )
+            };
+            let sinks = seg(sink_k, sink_v, start, c0)?;
+            let recent = seg(recent_k, recent_v, c1, pos + 1)?;
+            let out = kvq_kernels::cuda::step::decode_fast(
+                &**self.codes.keys(),
+                &**self.codes.values(),
+                p,
+                q,
+                kc,
+                vc,
+                [
+                    sinks.as_ref().map(|(k, v)| (k, v)),
+                    recent.as_ref().map(|(k, v)| (k, v)),
+                ],
+                self.center.mu_device(),
+            )?;
+            if let Some(out) = out {
+                return Ok(out);
+            }
+        }
         let exact = |sinks: &Fp16Rows, recent: &Fp16Rows| -> Result<Tensor> {
             let mut parts = Vec::with_capacity(2);
             if c0 > start {
@@ -58,7 +89,6 @@ impl CompressedCache {
             parts.extend(recent.dev_range(c1, pos + 1)?);
             Ok(Tensor::cat(&parts, 1)?.unsqueeze(0)?)
         };
-        let ((sink_k, recent_k), (sink_v, recent_v)) = (self.exact.keys(), self.exact.values());
         let (xk, xv) = (exact(sink_k, recent_k)?, exact(sink_v, recent_v)?);
         let q4 = q.unsqueeze(0)?;
         let out = match codes {

@@ -297,6 +297,30 @@ impl ExactRows {
         Ok(())
     }
 
+    /// [`Self::push_device`] on CUDA once past the sinks: one launch stores the keys and values
+    /// as f16 into the window rows in place.
+    #[cfg(feature = "cuda")]
+    pub(super) fn push_cuda(&mut self, k: &Tensor, v: &Tensor, len: usize) -> Result<()> {
+        let t = k.dim(1)?;
+        let keep = self.recent_k.first;
+        let (Some(bk), Some(bv), true) = (
+            &mut self.recent_k.dev,
+            &mut self.recent_v.dev,
+            len >= self.sinks,
+        ) else {
+            return self.push_device(k, v, len);
+        };
+        let (kb, kr) = bk.reserve(len, t, keep, k.device())?;
+        let (vb, vr) = bv.reserve(len, t, keep, v.device())?;
+        if kr != vr {
+            // The two buffers always move together; should they not, write each on its own.
+            kb.slice_set(&k.to_dtype(DType::F16)?, 1, kr)?;
+            vb.slice_set(&v.to_dtype(DType::F16)?, 1, vr)?;
+            return Ok(());
+        }
+        Ok(kvq_kernels::cuda::step::store_rows_f16(k, v, &kb, &vb, kr)?)
+    }
+
     /// Every key so far, positions `0..len` (`[kv head][len][d]` f32), for fixing the key
     /// center: all are held then (`first` is 0 while it is pending). A device cache reads them
     /// back, once.

@@ -203,6 +203,16 @@ impl KvCache for CompressedCache {
             true => window_start(self.len, self.geom.sliding_window),
             false => 0,
         };
+        #[cfg(feature = "cuda")]
+        if on_device && k.device().is_cuda() && !self.center.is_exact() {
+            // A decode step on CUDA: three launches, nothing read back or copied.
+            if let Some(mu) = self.center.device_encoding(self.len, t) {
+                self.codes.write_cuda(&k, mu, &v, self.len, keep_from)?;
+                self.exact.push_cuda(&k, &v, self.len)?;
+                self.len += t;
+                return Ok(());
+            }
+        }
         // A GPU cache never reads its keys back (but for fixing the center, once).
         let kd = match on_device {
             true => None,

@@ -8,6 +8,15 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::{Result, bail};
 
+/// Where an encode launch writes: row i (of kv head `i / t`) at `addr + (i / t) * h_stride +
+/// (i % t) * cb` bytes, and the center subtracted from its input rows (0: none).
+#[derive(Debug, Clone, Copy)]
+pub struct EncodeDst {
+    pub addr: u64,
+    pub h_stride: i64,
+    pub mu: u64,
+}
+
 /// Encodes `rows` rows of `d` f32 at `x` (row i belongs to kv head `i / t`) into `rows * cb`
 /// code bytes.
 pub fn launch_encode(
@@ -19,23 +28,48 @@ pub fn launch_encode(
     t: usize,
     cb: usize,
 ) -> Result<CudaSlice<u8>> {
-    if ![64, 128, 256].contains(&d) {
-        bail!("cuda: encode kernels for head_dim 64, 128 and 256, not {d}")
-    }
     let stream = dev.cuda_stream();
     // SAFETY: every byte of every row is written by the kernel (each family writes its whole
     // code row) before anything reads it.
     let out = unsafe { dev.alloc::<u8>((rows * cb).max(1))? };
     super::poison(&out, &stream)?;
-    if rows == 0 {
-        return Ok(out);
+    let dst = EncodeDst {
+        addr: super::address(&out, &stream, 0),
+        h_stride: (t.max(1) * cb) as i64,
+        mu: 0,
+    };
+    launch_encode_into(dev, params, d, x, rows, t, cb, dst)?;
+    Ok(out)
+}
+
+/// Encodes `rows` rows of `d` f32 at `x` (row i belongs to kv head `i / t`) into the code rows
+/// at `dst` (a cache's buffer, written in place), centered by `dst.mu` when it is set.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_encode_into(
+    dev: &CudaDevice,
+    params: &EncodeParams,
+    d: usize,
+    x: u64,
+    rows: usize,
+    t: usize,
+    cb: usize,
+    dst: EncodeDst,
+) -> Result<()> {
+    if ![64, 128, 256].contains(&d) {
+        bail!("cuda: encode kernels for head_dim 64, 128 and 256, not {d}")
     }
+    if rows == 0 {
+        return Ok(());
+    }
+    let stream = dev.cuda_stream();
     let a = EncodeArgs {
         x,
         rows: rows as i64,
         t: t.max(1) as i32,
-        out: super::address(&out, &stream, 0),
+        out: dst.addr,
         cb: cb as i32,
+        out_hstride: dst.h_stride,
+        mu: dst.mu,
     };
     let (module, name) = match params {
         EncodeParams::Scalar(_) => ("turboquant_mse_encode", format!("kvq_encode_scalar_d{d}")),
@@ -75,8 +109,7 @@ pub fn launch_encode(
         EncodeParams::QjlKeys(p) => go(&stream, &f, cfg, &a, p, &name),
         EncodeParams::Group(p) => go(&stream, &f, cfg, &a, p, &name),
         EncodeParams::Vq(p) => go(&stream, &f, cfg, &a, p, &name),
-    }?;
-    Ok(out)
+    }
 }
 
 /// Nearest of 256 centroids (`[256][sub]` at `c`) for each of the `n` sub-vectors at `x`

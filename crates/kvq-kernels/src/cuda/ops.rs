@@ -19,14 +19,14 @@ fn dims_of<'a>(l: &'a Layout, n: usize, what: &str) -> Result<(&'a [usize], &'a 
     Ok((d, s))
 }
 
-fn key_args(dev: &CudaDevice, keys: &dyn KeyCodec) -> Result<KeyArgs> {
+pub(crate) fn key_args(dev: &CudaDevice, keys: &dyn KeyCodec) -> Result<KeyArgs> {
     let Some(data) = keys.kernel_data() else {
         bail!("cuda: this key codec has no device kernel")
     };
     Ok(KeyDev::of(dev, data)?.attend_args(dev))
 }
 
-fn value_args(dev: &CudaDevice, values: &dyn ValueCodec) -> Result<ValueArgs> {
+pub(crate) fn value_args(dev: &CudaDevice, values: &dyn ValueCodec) -> Result<ValueArgs> {
     let Some(data) = values.kernel_data() else {
         bail!("cuda: this value codec has no device kernel")
     };
