@@ -1,0 +1,304 @@
+// The frame of the version-5 fused decode attention kernels (turboquant_mse/fast.cuh and the
+// families built on it): their extra arguments, shared-memory layout, lookup-table addressing,
+// the per-warp chunk copies, the query fragments, and the end of every block: the warps' states
+// merged into the block's slot of the partial rows, and in the last block of each (query row,
+// kv head) to finish, every slot merged (with the key center's logit shift, the inverse
+// rotation of coded values, the exact rows' slot) into the output.
+#pragma once
+#include "mma.cuh"
+
+namespace kvq {
+
+#ifndef KVQ_FAST_STAGES
+#define KVQ_FAST_STAGES 3
+#endif
+#define KVQ_FAST_MAX_SLOTS 256  // most splits (plus the exact rows' block) per kv head
+
+struct FastArgs {
+  // Exact rows: row r of segment s of (b, kh) at xk[s] + b*xb[s] + kh*xh[s] + r*D (halves).
+  const __half* xk[2];
+  const __half* xv[2];
+  long long xb[2], xh[2];
+  int xn[2];            // rows in segment s (the sinks, then the window)
+  const float* mu;      // [kvh][D] key center (code logits get scale * q . mu), or null
+  float* out;           // [B][nh][T][ostride]: the merged output (normalized or not), then max, sum
+  unsigned* counters;   // [B*T][kvh*hchunks] blocks finished; zero between launches (reset here)
+  int ostride;          // D (output only) or D + 2
+  int normalize;
+  int exact;            // 1: block x == gridDim.x - 1 runs the exact rows
+  const float* shift;   // [B][nh][T] added to the code logits (used when mu is null), or null
+};
+
+// Bytes of one warp stage buffer of 16 rows of `cb` bytes (mma.cuh mma_stage_bytes).
+__host__ __device__ inline int fast_stage_bytes(int cb) { return (16 * cb + 32 + 15) & ~15; }
+
+// Shared-memory layout of the fast kernel (the Rust launcher mirrors `fast_smem`).
+struct FastLayout {
+  int table, signs, qs, qfrag, sfrag, proj, wm, wl, flag, stages, total;
+};
+
+__host__ __device__ inline FastLayout fast_layout(int D, int KB, int VB, bool sketch, int NW,
+                                                  int kcb, int vcb) {
+  FastLayout l;
+  const int bmax = KB > VB ? KB : VB;
+  int at = 0;
+  l.table = at;
+  at += (1 << (2 * bmax)) * 256;
+  l.signs = at;
+  at += sketch ? 16 * 256 : 0;
+  l.qs = at;
+  at += 8 * D * 4;
+  l.qfrag = at;
+  at += D > 128 ? (D / 16) * 32 * 16 : 0;
+  l.sfrag = at;
+  at += sketch ? (D / 16) * 32 * 16 : 0;
+  l.proj = at;
+  at += sketch ? 4 * 8 * D * 4 : 0;  // four partial sums of the projections
+  l.wm = at;
+  at += NW * 8 * 4;
+  l.wl = at;
+  at += NW * 8 * 4;
+  l.flag = at;
+  at += 16;
+  l.stages = at;
+  const int stages = NW * KVQ_FAST_STAGES * (fast_stage_bytes(kcb) + fast_stage_bytes(vcb));
+  const int merge = NW * 8 * (D + D / 16 + 1) * 4;
+  const int fin = 8 * (KVQ_FAST_MAX_SLOTS + 1) * 4 + 8 * D * 4;
+  int rest = stages > merge ? stages : merge;
+  rest = rest > fin ? rest : fin;
+  l.total = at + rest;
+  return l;
+}
+
+__device__ inline unsigned lds32(const uint8_t* smem, unsigned off) {
+  return *reinterpret_cast<const unsigned*>(smem + off);
+}
+
+__device__ inline uint2 lds64(const uint8_t* smem, unsigned off) {
+  return *reinterpret_cast<const uint2*>(smem + off);
+}
+
+// Table address of pair `p` (coordinates 2p, 2p+1) of a packed span of `B`-bit codes held in
+// the words `w`: the pair's 2B-bit index times 256, plus `lane_off` (the lane's slot in a row).
+template <int B>
+__device__ inline unsigned pair_addr(const unsigned* w, int p, unsigned lane_off) {
+  const int o = 2 * p * B, wi = o >> 5, bo = o & 31;
+  if constexpr (B == 4) {
+    // The index is byte bo/8 of the word: one permute puts it in byte 1 over the lane's slot.
+    return __byte_perm(w[wi], lane_off, 0x7604 | ((bo >> 3) << 4));
+  } else {
+    unsigned v;
+    int sh;
+    if (bo + 2 * B <= 32) {
+      v = w[wi];
+      sh = bo;
+    } else {
+      v = __funnelshift_r(w[wi], w[wi + 1], bo);
+      sh = 0;
+    }
+    const unsigned x = sh >= 8 ? v >> (sh - 8) : v << (8 - sh);
+    return (x & (((1u << (2 * B)) - 1) << 8)) | lane_off;
+  }
+}
+
+// Table address of the 4 sign bits 4j .. 4j+3 of a packed span (`lane_off` = lane * 8).
+__device__ inline unsigned nibble_addr(const unsigned* w, int j, unsigned lane_off) {
+  const int o = 4 * j, wi = o >> 5, bo = o & 31;
+  const unsigned x = bo >= 8 ? w[wi] >> (bo - 8) : w[wi] << (8 - bo);
+  return (x & 0xf00u) | lane_off;
+}
+
+// Walsh-Hadamard butterflies over `rows` rows of D floats in shared memory, by NT threads
+// (range-based pairs, a barrier after each stage; attend.cuh `butterflies`).
+template <int NT>
+__device__ inline void fast_butterflies(float* x, int rows, int D) {
+  for (int h = 1; h < D; h <<= 1) {
+    for (int i = threadIdx.x; i < rows * D / 2; i += NT) {
+      const int g = i / (D / 2), k = i % (D / 2);
+      const int lo = (k / h) * 2 * h + (k % h);
+      float* r = x + g * D;
+      const float u = r[lo], v = r[lo + h];
+      r[lo] = u + v;
+      r[lo + h] = u - v;
+    }
+    __syncthreads();
+  }
+}
+
+// Starts copying rows [row0, row0 + n) of one head's rows (`cb` bytes each, from `head`) into
+// `dst` with one warp (mma.cuh warp_load_rows), copying the last 16-byte piece whole when it
+// stays inside the head's `end` (the rows present), else its bytes one by one.
+__device__ inline void fast_load_rows(uint8_t* dst, const uint8_t* head, int cb, long long row0,
+                                      int n, const uint8_t* end, int lane) {
+  const unsigned long long b0 = reinterpret_cast<unsigned long long>(head) + row0 * cb;
+  const unsigned long long b1 = b0 + (unsigned long long)n * cb;
+  const unsigned long long a0 = b0 & ~15ull;
+  unsigned long long a1 = (b1 + 15) & ~15ull;
+  if (a1 > reinterpret_cast<unsigned long long>(end)) a1 = b1 & ~15ull;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(a0);
+  for (unsigned long long x = 16 * lane; a0 + x < a1; x += 16 * 32) cp_async16(dst + x, base + x);
+  for (unsigned long long x = (a1 > a0 ? a1 : a0) + lane; x < b1; x += 32)
+    dst[x - a0] = __ldg(reinterpret_cast<const uint8_t*>(x));
+}
+
+// Query-side A fragments of k step j for this lane from a [8][D] float array (rows gb.. zero):
+// head g's coordinates t4*D/4 + 4j .. +3 as f16, hi parts in rows 0-7, lo parts in rows 8-15.
+__device__ inline uint4 fast_qfrag(const float* rows, int D, int g, int t4, int j) {
+  const float4 x = *reinterpret_cast<const float4*>(rows + g * D + t4 * (D / 4) + 4 * j);
+  unsigned short h[4], l[4];
+  split_f16(x.x, h[0], l[0]);
+  split_f16(x.y, h[1], l[1]);
+  split_f16(x.z, h[2], l[2]);
+  split_f16(x.w, h[3], l[3]);
+  return make_uint4(pack_u16(h[0], h[1]), pack_u16(l[0], l[1]), pack_u16(h[2], h[3]),
+                    pack_u16(l[2], l[3]));
+}
+
+// The end of a block: this warp's online-softmax state (`acc` in the m16n8k16 C layout of
+// fast.cuh, `m` and `l` per head g over this lane's tokens) merged over the block's warps into
+// its slot; then the last block of the pair merges every slot into f.out. `vsigns` (the values'
+// rotation signs of kv head kh, or null when values are not rotated) and `vscale` (a factor on
+// the coded slots' output) finish the coded part.
+template <int D, int NW>
+__device__ void fast_finish(const AttendArgs& a, const FastArgs& f, const FastLayout& L,
+                            uint8_t* smem, float (&acc)[D / 16][4], float m, float l,
+                            const float* qrows, int kh, int h0, int gb, int b, int t,
+                            const float* vsigns, float vscale) {
+  constexpr int NT = NW * 32, MT = D / 16, VSPAN = D / 8;
+  constexpr int WS = D + D / 16 + 1;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int nslots = gridDim.x;
+  const int ncode = nslots - f.exact;
+  float* wm = reinterpret_cast<float*>(smem + L.wm);
+  float* wl = reinterpret_cast<float*>(smem + L.wl);
+  uint8_t* stages = smem + L.stages;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with its stages: the space holds the merge
+
+  // Merge the warps' states per head into the block's slot.
+  float* wacc = reinterpret_cast<float*>(stages);  // [NW][8][WS]
+  if (t4 == 0) {
+    wm[warp * 8 + g] = m;
+    wl[warp * 8 + g] = l;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const int c = g * VSPAN + 2 * mt + (g * VSPAN + 2 * mt) / 16;
+    float* w0 = wacc + (warp * 8 + 2 * t4) * WS;
+    float* w1 = w0 + WS;
+    w0[c] = acc[mt][0];
+    w1[c] = acc[mt][1];
+    w0[c + 1] = acc[mt][2];
+    w1[c + 1] = acc[mt][3];
+  }
+  __syncthreads();
+  const long long rowbase = ((long long)b * a.nh + h0) * a.T + t;  // row of head h0
+  auto slot_row = [&](int h, int s) {
+    return a.part + ((rowbase + (long long)h * a.T) * nslots + s) * (D + 2);
+  };
+  for (int i = tid; i < gb * (D + 2); i += NT) {
+    const int h = i / (D + 2), c = i % (D + 2);
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; w++) mm = fmaxf(mm, wm[w * 8 + h]);
+    float v = 0.f;
+#pragma unroll 4
+    for (int w = 0; w < NW; w++) {
+      const float mw = wm[w * 8 + h];
+      if (mw == -INFINITY) continue;
+      const float e = __expf(mw - mm);
+      if (c < D)
+        v = fmaf(e, wacc[(w * 8 + h) * WS + c + c / 16], v);
+      else if (c == D + 1)
+        v = fmaf(e, wl[w * 8 + h], v);
+    }
+    slot_row(h, blockIdx.x)[c] = c == D ? mm : v;
+  }
+
+  // The last block of this (row, kv head chunk) to finish merges every slot.
+  __threadfence();
+  __syncthreads();
+  int* flag = reinterpret_cast<int*>(smem + L.flag);
+  unsigned* counter = f.counters + (long long)blockIdx.z * gridDim.y + blockIdx.y;
+  if (tid == 0) {
+    const unsigned done = atomicAdd(counter, 1u);
+    flag[0] = done == (unsigned)nslots - 1;
+    if (done == (unsigned)nslots - 1) *counter = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!flag[0]) return;
+  __threadfence();
+  float* wts = reinterpret_cast<float*>(stages);              // [8][slots + 1]: weights, then
+  float* oc = wts + 8 * (KVQ_FAST_MAX_SLOTS + 1);             // [8][D] code part (rotated)
+  float* hm = reinterpret_cast<float*>(smem + L.wm);          // [8] merged max
+  float* hl = reinterpret_cast<float*>(smem + L.wl);          // [8] merged sum
+  const int WST = KVQ_FAST_MAX_SLOTS + 1;
+  // One warp per head: the shift scale * q . mu, the merged max and sum, each slot's weight.
+  for (int h = warp; h < gb; h += NW) {
+    float sh = 0.f;
+    if (f.shift != nullptr) {
+      sh = f.shift[rowbase + (long long)h * a.T];
+    } else if (f.mu != nullptr) {
+      const float* qh = qrows + h * a.q_hstride;
+      const float* mu = f.mu + (long long)kh * D;
+      for (int c = lane; c < D; c += 32) sh = fmaf(__ldg(qh + c), __ldg(mu + c), sh);
+      sh = warp_sum(sh) * a.scale;
+    }
+    const float* r = slot_row(h, 0);
+    float mm = -INFINITY;
+    for (int s = lane; s < nslots; s += 32) {
+      const float ms = __ldcg(r + (long long)s * (D + 2) + D) + (s < ncode ? sh : 0.f);
+      wts[h * WST + s] = ms;
+      mm = fmaxf(mm, ms);
+    }
+    mm = warp_max(mm);
+    float ll = 0.f;
+    for (int s = lane; s < nslots; s += 32) {
+      const float ms = wts[h * WST + s];
+      const float w = ms == -INFINITY ? 0.f : __expf(ms - mm);
+      wts[h * WST + s] = w;
+      ll = fmaf(w, __ldcg(r + (long long)s * (D + 2) + D + 1), ll);
+    }
+    ll = warp_sum(ll);
+    if (lane == 0) {
+      hm[h] = mm;
+      hl[h] = ll;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < 8 * D; i += NT) {
+    const int h = i / D, c = i % D;
+    float v = 0.f;
+    if (h < gb) {
+      const float* r = slot_row(h, 0) + c;
+#pragma unroll 4
+      for (int s = 0; s < ncode; s++) {
+        const float w = wts[h * WST + s];
+        if (w != 0.f) v = fmaf(w, __ldcg(r + (long long)s * (D + 2)), v);
+      }
+    }
+    oc[i] = v * vscale;
+  }
+  __syncthreads();
+  if (vsigns != nullptr) fast_butterflies<NT>(oc, gb, D);
+  const float isq = rsqrtf((float)D);
+  for (int i = tid; i < gb * D; i += NT) {
+    const int h = i / D, c = i % D;
+    float v = vsigns != nullptr ? oc[i] * __ldg(vsigns + c) * isq : oc[i];
+    if (f.exact) {
+      const float w = wts[h * WST + ncode];
+      if (w != 0.f) v = fmaf(w, __ldcg(slot_row(h, ncode) + c), v);
+    }
+    const float ll = hl[h];
+    if (f.normalize) v = ll > 0.f ? v / ll : 0.f;
+    f.out[(rowbase + (long long)h * a.T) * f.ostride + c] = v;
+  }
+  if (f.ostride >= D + 2)
+    for (int h = tid; h < gb; h += NT) {
+      f.out[(rowbase + (long long)h * a.T) * f.ostride + D] = hm[h];
+      f.out[(rowbase + (long long)h * a.T) * f.ostride + D + 1] = hl[h];
+    }
+}
+
+}  // namespace kvq
