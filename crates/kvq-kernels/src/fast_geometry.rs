@@ -43,25 +43,56 @@ pub fn f16_scale(levels: &[f32]) -> f32 {
     best.1
 }
 
-/// Shared-memory bytes of a block (fast.cuh `fast_layout`, field for field).
+/// What a fast kernel keeps in shared memory besides its stages (kernels/cuda/common/fast.cuh
+/// `fast_layout`): rows of pair tables, k steps of sketch fragments, floats of projection
+/// scratch, and whether the query fragments live there.
+#[derive(Debug, Clone, Copy)]
+pub struct Tables {
+    pub rows: usize,
+    pub sketch_steps: usize,
+    pub proj_floats: usize,
+    pub qfrag: bool,
+}
+
+impl Tables {
+    /// The scalar-code kernels (TurboQuant MSE, RVQ; Prod with its sketch of m = d).
+    pub fn scalar(d: usize, (kb, vb): (usize, usize), sketch: bool) -> Self {
+        Self {
+            rows: 1 << (2 * kb.max(vb)),
+            sketch_steps: if sketch { d / 16 } else { 0 },
+            proj_floats: if sketch { 4 * 8 * d } else { 0 },
+            qfrag: d > 128,
+        }
+    }
+
+    /// The QJL kernel: value pair tables of `vb` bits, a sketch padded to `m_pad` (a multiple
+    /// of 64).
+    pub fn qjl(vb: usize, m_pad: usize) -> Self {
+        Self {
+            rows: 1 << (2 * vb),
+            sketch_steps: m_pad / 16,
+            proj_floats: 8 * m_pad,
+            qfrag: false,
+        }
+    }
+}
+
+/// Shared-memory bytes of a block (common/fast.cuh `fast_layout`, field for field).
 pub fn smem(
     d: usize,
-    (kb, vb): (usize, usize),
-    sketch: bool,
+    t: Tables,
     (nw, stages): (usize, usize),
     (kcb, vcb): (usize, usize),
 ) -> usize {
-    let mut at = (1usize << (2 * kb.max(vb))) * 256;
-    if sketch {
+    let mut at = t.rows * 256;
+    if t.sketch_steps > 0 {
         at += 16 * 256;
     }
     at += 8 * d * 4;
-    if d > 128 {
+    if t.qfrag {
         at += (d / 16) * 32 * 16;
     }
-    if sketch {
-        at += (d / 16) * 32 * 16 + 4 * 8 * d * 4;
-    }
+    at += t.sketch_steps * 32 * 16 + t.proj_floats * 4;
     at += 2 * nw * 8 * 4 + 16;
     let stage = |cb: usize| (16 * cb + 32 + 15) & !15;
     let stages = nw * stages * (stage(kcb) + stage(vcb));
@@ -121,14 +152,14 @@ mod tests {
             for b in 1..=4 {
                 let cb = 2 + d * b / 8;
                 assert!(
-                    smem(d, (b, b), false, (nw, 3), (cb, cb)) <= MAX_SMEM,
+                    smem(d, Tables::scalar(d, (b, b), false), (nw, 3), (cb, cb)) <= MAX_SMEM,
                     "d {d} b {b}"
                 );
             }
             for (kb, vb) in [(1, 1), (1, 2), (2, 2), (2, 3), (3, 3), (3, 4)] {
                 let (kcb, vcb) = (4 + d * kb / 8 + d / 8, 2 + d * vb / 8);
                 assert!(
-                    smem(d, (kb, vb), true, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
+                    smem(d, Tables::scalar(d, (kb, vb), true), (nw, 3), (kcb, vcb)) <= MAX_SMEM,
                     "prod d {d} {kb}/{vb}"
                 );
             }

@@ -32,28 +32,32 @@ struct FastArgs {
 // Bytes of one warp stage buffer of 16 rows of `cb` bytes (mma.cuh mma_stage_bytes).
 __host__ __device__ inline int fast_stage_bytes(int cb) { return (16 * cb + 32 + 15) & ~15; }
 
-// Shared-memory layout of the fast kernel (the Rust launcher mirrors `fast_smem`).
+// Shared-memory layout of a fast kernel (kvq-kernels fast_geometry.rs `smem` mirrors it):
+// `table_rows` rows of the per-lane pair tables (256 bytes each), the sign-nibble table and
+// `sketch_steps` k steps of sketch-projection fragments when there is a sketch, the queries as
+// floats, the query fragments when they do not fit registers (`qfrag`), `proj_floats` floats of
+// projection scratch, the warps' softmax states, then the stages (later the merges).
 struct FastLayout {
   int table, signs, qs, qfrag, sfrag, proj, wm, wl, flag, stages, total;
 };
 
-__host__ __device__ inline FastLayout fast_layout(int D, int KB, int VB, bool sketch, int NW,
-                                                  int kcb, int vcb) {
+__host__ __device__ inline FastLayout fast_layout(int D, int table_rows, int sketch_steps,
+                                                  int proj_floats, bool qfrag, int NW, int kcb,
+                                                  int vcb) {
   FastLayout l;
-  const int bmax = KB > VB ? KB : VB;
   int at = 0;
   l.table = at;
-  at += (1 << (2 * bmax)) * 256;
+  at += table_rows * 256;
   l.signs = at;
-  at += sketch ? 16 * 256 : 0;
+  at += sketch_steps > 0 ? 16 * 256 : 0;
   l.qs = at;
   at += 8 * D * 4;
   l.qfrag = at;
-  at += D > 128 ? (D / 16) * 32 * 16 : 0;
+  at += qfrag ? (D / 16) * 32 * 16 : 0;
   l.sfrag = at;
-  at += sketch ? (D / 16) * 32 * 16 : 0;
+  at += sketch_steps * 32 * 16;
   l.proj = at;
-  at += sketch ? 4 * 8 * D * 4 : 0;  // four partial sums of the projections
+  at += proj_floats * 4;
   l.wm = at;
   at += NW * 8 * 4;
   l.wl = at;
@@ -154,16 +158,82 @@ __device__ inline uint4 fast_qfrag(const float* rows, int D, int g, int t4, int 
                     pack_u16(l[2], l[3]));
 }
 
+// Where a block sits: kv head kh (chunk hc of its query heads, gb heads from h0), query row
+// z = b * T + t, and those heads' query rows.
+struct FastBlock {
+  int kh, hc, b, t, h0, gb;
+  const float* qrows;
+};
+
+__device__ inline FastBlock fast_block(const AttendArgs& a) {
+  FastBlock k;
+  k.kh = blockIdx.y / a.hchunks;
+  k.hc = blockIdx.y % a.hchunks;
+  k.b = blockIdx.z / a.T;
+  k.t = blockIdx.z % a.T;
+  k.h0 = k.kh * a.group + k.hc * a.gb;
+  k.gb = min(a.gb, a.group - k.hc * a.gb);
+  k.qrows = a.q + k.b * a.q_bstride + k.h0 * a.q_hstride + k.t * a.q_tstride;
+  return k;
+}
+
+// The block's queries into `qs` ([8][D] floats, rows gb.. zero), by NT threads.
+template <int D, int NT>
+__device__ inline void fast_load_queries(const AttendArgs& a, const FastBlock& k, float* qs) {
+  for (int i = threadIdx.x; i < 8 * D; i += NT) {
+    const int h = i / D;
+    qs[i] = h < k.gb ? k.qrows[h * a.q_hstride + i % D] : 0.f;
+  }
+}
+
+// One chunk's online-softmax step for head g of this lane: scores `s` of tokens nt*8 + 2t4 + e
+// (-inf where masked) update the running max `m` and sum `l` (over this lane's tokens), rescale
+// the accumulators when some head's maximum moved (rare after the first chunks), and give the
+// probabilities `p`.
+template <int MT>
+__device__ inline void fast_softmax(const float (&s)[2][2], float& m, float& l,
+                                    float (&acc)[MT][4], float (&p)[2][2], int t4) {
+  float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mnew = fmaxf(m, mx);
+  float alpha = 1.f;
+  p[0][0] = p[0][1] = p[1][0] = p[1][1] = 0.f;
+  if (mnew != -INFINITY) {
+    alpha = __expf(m - mnew);
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) p[nt][e] = __expf(s[nt][e] - mnew);
+  }
+  m = mnew;
+  l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+  if (!__all_sync(0xffffffffu, alpha == 1.f)) {
+    // This lane's accumulators are heads 2t4 and 2t4 + 1: their factors.
+    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t4);
+    const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      acc[mt][0] *= al0;
+      acc[mt][1] *= al1;
+      acc[mt][2] *= al0;
+      acc[mt][3] *= al1;
+    }
+  }
+}
+
 // The end of a block: this warp's online-softmax state (`acc` in the m16n8k16 C layout of
 // fast.cuh, `m` and `l` per head g over this lane's tokens) merged over the block's warps into
 // its slot; then the last block of the pair merges every slot into f.out. `vsigns` (the values'
 // rotation signs of kv head kh, or null when values are not rotated) and `vscale` (a factor on
-// the coded slots' output) finish the coded part.
+// the coded slots' output) finish the coded part: every block of a launch passes the same, since
+// any of them may be the last.
 template <int D, int NW>
 __device__ void fast_finish(const AttendArgs& a, const FastArgs& f, const FastLayout& L,
                             uint8_t* smem, float (&acc)[D / 16][4], float m, float l,
-                            const float* qrows, int kh, int h0, int gb, int b, int t,
-                            const float* vsigns, float vscale) {
+                            const FastBlock& k, const float* vsigns, float vscale) {
+  const int kh = k.kh, h0 = k.h0, gb = k.gb, b = k.b, t = k.t;
+  const float* qrows = k.qrows;
   constexpr int NT = NW * 32, MT = D / 16, VSPAN = D / 8;
   constexpr int WS = D + D / 16 + 1;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -299,6 +369,93 @@ __device__ void fast_finish(const AttendArgs& a, const FastArgs& f, const FastLa
       f.out[(rowbase + (long long)h * a.T) * f.ostride + D] = hm[h];
       f.out[(rowbase + (long long)h * a.T) * f.ostride + D + 1] = hl[h];
     }
+}
+
+// The exact fp16 rows' block (the last x block of each pair when f.exact): the sinks and the
+// window, read in place (two segments), scored against the unrotated queries, then fast_finish
+// with the family's `vsigns` and `vscale`.
+template <int D, int NW>
+__device__ void fast_exact(const AttendArgs& a, const FastArgs& f, const FastLayout& L,
+                           uint8_t* smem, const float* vsigns, float vscale) {
+  constexpr int NT = NW * 32, KSPAN = D / 4, VSPAN = D / 8, KSTEPS = D / 16, MT = D / 16;
+  constexpr bool QREG = D <= 128;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const FastBlock k = fast_block(a);
+  float* qs = reinterpret_cast<float*>(smem + L.qs);
+  fast_load_queries<D, NT>(a, k, qs);
+  __syncthreads();
+  if constexpr (!QREG) {
+    uint4* qf = reinterpret_cast<uint4*>(smem + L.qfrag);
+    for (int i = tid; i < KSTEPS * 32; i += NT) qf[i] = fast_qfrag(qs, D, (i % 32) >> 2, i % 4, i / 32);
+    __syncthreads();
+  }
+  uint4 qa[QREG ? KSTEPS : 1];
+  if constexpr (QREG) {
+#pragma unroll
+    for (int j = 0; j < KSTEPS; j++) qa[j] = fast_qfrag(qs, D, g, t4, j);
+  }
+  auto qfrag = [&](int j) -> uint4 {
+    if constexpr (QREG)
+      return qa[j];
+    else
+      return reinterpret_cast<const uint4*>(smem + L.qfrag)[j * 32 + lane];
+  };
+  const long long nx = f.xn[0] + f.xn[1];
+  // Row r of the two segments, clamped to the last one. (Selects, not an index: a run-time
+  // index into the parameter arrays would copy them to local memory.)
+  auto xrow = [&](bool keys, long long r) -> const uint8_t* {
+    r = min(r, nx - 1);
+    const bool first = r < f.xn[0];
+    const __half* seg = keys ? (first ? f.xk[0] : f.xk[1]) : (first ? f.xv[0] : f.xv[1]);
+    const long long off = first ? k.b * f.xb[0] + k.kh * f.xh[0] + r * D
+                                : k.b * f.xb[1] + k.kh * f.xh[1] + (r - f.xn[0]) * D;
+    return reinterpret_cast<const uint8_t*>(seg + off);
+  };
+  const int nchunks = (int)((nx + 15) / 16);
+  const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
+  float m = -INFINITY, l = 0.f;
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+  for (int i = 0; i < count; i++) {
+    const long long base = (long long)(warp + i * NW) * 16;
+    const int n = (int)min(16ll, nx - base);
+    float s[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      unsigned w[D / 8];  // halves t4*D/4 .. +D/4 of token nt*8 + g's key
+      ldg_words<D / 8>(xrow(true, base + nt * 8 + g) + t4 * KSPAN * 2, w);
+#pragma unroll
+      for (int j = 0; j < KSTEPS; j++) {
+        const uint4 q = qfrag(j);
+        mma_16816(j & 1 ? c1 : c0, q.x, q.y, q.z, q.w, w[2 * j], w[2 * j + 1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int tok = nt * 8 + 2 * t4 + e;
+        const float sc = ((c0[e] + c1[e]) + (c0[2 + e] + c1[2 + e])) * a.scale;
+        s[nt][e] = tok < n ? sc : -INFINITY;
+      }
+    }
+    float p[2][2];
+    fast_softmax<MT>(s, m, l, acc, p, t4);
+    const unsigned pb0 = pack_f2(2 * t4 < n ? p[0][0] : 0.f, 2 * t4 + 1 < n ? p[0][1] : 0.f);
+    const unsigned pb1 = pack_f2(2 * t4 + 8 < n ? p[1][0] : 0.f, 2 * t4 + 9 < n ? p[1][1] : 0.f);
+    // Tokens u = 0..3: 2t4, 2t4+1, 2t4+8, 2t4+9; coordinates g*D/8 .. +D/8 of each.
+    unsigned vw[4][D / 16];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      ldg_words<D / 16>(xrow(false, base + (u >> 1) * 8 + 2 * t4 + (u & 1)) + g * VSPAN * 2, vw[u]);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+      mma_16816(acc[mt], __byte_perm(vw[0][mt], vw[1][mt], 0x5410),
+                __byte_perm(vw[0][mt], vw[1][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410),
+                __byte_perm(vw[2][mt], vw[3][mt], 0x7632), pb0, pb1);
+  }
+  fast_finish<D, NW>(a, f, L, smem, acc, m, l, k, vsigns, vscale);
 }
 
 }  // namespace kvq

@@ -1,14 +1,9 @@
 // Fused decode attention of QJL: keys are `||k_rest||` (f16), m/8 sign bytes and `outliers`
 // exact channels (u8 index, then f16 values), scored as ||k_rest|| sqrt(pi/2)/m <S q, sign(S k)>
 // plus the outliers' exact products; values are groupwise min/scale codes (2, 4 or 8 bits).
-#include "../common/sketch.cuh"
+#include "params.cuh"
 
 namespace kvq {
-
-struct QjlKeyParams {
-  SketchParams sketch;
-  int outliers;
-};
 
 // State: the sketch's, then the query [D][GB] for the outlier channels.
 struct QjlKeys {
@@ -46,11 +41,6 @@ struct QjlKeys {
       }
     }
   }
-};
-
-struct GroupParams {
-  int bits;   // 2, 4 or 8
-  int group;  // coordinates per group (a multiple of 8)
 };
 
 // Values: v = min + scale * code, decoded before weighting (as the CPU codec sums): summing

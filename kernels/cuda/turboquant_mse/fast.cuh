@@ -30,11 +30,10 @@ __device__ inline const ScalarParams& fast_scalar(const KP& p) {
     return p;
 }
 
-// One block: kv head chunk blockIdx.y, query row z = blockIdx.z; x < n_splits a split of the
-// code rows; X: the exact fp16 rows (block x == n_splits when f.exact). Writes the block's
-// partial state (unnormalized output, rotated for codes; max; sum) to its slot of `a.part`; the
-// last block of the (z, y) pair merges all slots into f.out.
-template <int D, int KB, int VB, bool SKETCH, int NW, bool X, class KP>
+// One block of code rows: kv head chunk blockIdx.y, query row z = blockIdx.z, split blockIdx.x.
+// Writes the block's partial state (unnormalized output in the rotated domain; max; sum) to its
+// slot of `a.part`; the last block of the (z, y) pair merges all slots into f.out.
+template <int D, int KB, int VB, bool SKETCH, int NW, class KP>
 __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarParams& vp,
                             const FastArgs& f, uint8_t* smem) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
@@ -47,27 +46,20 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   constexpr int SGB = D / 32, SGW = (SGB + 3) / 4, RNORM = 2 + D * KB / 8;
   constexpr bool QREG = D <= 128;
   const ScalarParams& kp = fast_scalar<SKETCH>(kpar);
-  const FastLayout L = fast_layout(D, KB, VB, SKETCH, NW, a.kcb, a.vcb);
+  constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
+  const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
+                                   !QREG, NW, a.kcb, a.vcb);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int kh = blockIdx.y / a.hchunks, hc = blockIdx.y % a.hchunks;
-  const int z = blockIdx.z, b = z / a.T, t = z % a.T;
-  const int h0 = kh * a.group + hc * a.gb;
-  const int gb = min(a.gb, a.group - hc * a.gb);
-  constexpr bool exact = X;
+  const FastBlock k = fast_block(a);
+  const int kh = k.kh, b = k.b, gb = k.gb;
   float* qs = reinterpret_cast<float*>(smem + L.qs);
 
-  // This block's rows: a split of the query row's code range, or the exact rows.
-  long long s0 = 0, s1 = 0;
-  if constexpr (exact) {
-    s1 = f.xn[0] + f.xn[1];
-  } else {
-    long long r0, r1;
-    code_rows(a, a.first_pos + t, r0, r1);
-    r1 = min(r1, a.n_rows);
-    s0 = r0 + (long long)blockIdx.x * a.split_rows;
-    s1 = min(r1, s0 + a.split_rows);
-    s1 = max(s1, s0);
-  }
+  // This block's rows: a split of the query row's code range.
+  long long r0, r1;
+  code_rows(a, a.first_pos + k.t, r0, r1);
+  r1 = min(r1, a.n_rows);
+  const long long s0 = r0 + (long long)blockIdx.x * a.split_rows;
+  const long long s1 = max(min(r1, s0 + a.split_rows), s0);
   const int kbuf = fast_stage_bytes(a.kcb), vbuf = fast_stage_bytes(a.vcb);
   const int mine = L.stages + warp * ST * (kbuf + vbuf);
   auto kstage = [&](int s) { return mine + s * kbuf; };
@@ -80,7 +72,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
   auto chunk_base = [&](int i) { return s0 + (long long)(warp + i * NW) * 16; };
   auto issue = [&](int i) {
-    if (!exact && i < count) {
+    if (i < count) {
       const long long base = chunk_base(i);
       const int n = (int)min(16ll, s1 - base);
       fast_load_rows(smem + kstage(i % ST), kbase, a.kcb, base, n, kend, lane);
@@ -92,12 +84,9 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   for (int i = 0; i < ST - 1; i++) issue(i);
 
   // Queries (rows gb..7 zero); tables; sketch projections.
-  const float* qrows = a.q + b * a.q_bstride + h0 * a.q_hstride + t * a.q_tstride;
-  for (int i = tid; i < 8 * D; i += NT) {
-    const int h = i / D;
-    qs[i] = h < gb ? qrows[h * a.q_hstride + i % D] : 0.f;
-  }
-  if constexpr (!exact) {
+  const float* qrows = k.qrows;
+  fast_load_queries<D, NT>(a, k, qs);
+  {
     // Pair tables: row i (256 bytes) holds 32 copies of the key entry, then 32 of the value
     // entry: (level[i & mask], level[i >> B]) * lev as f16.
     constexpr int KR = 1 << (2 * KB), VR = 1 << (2 * VB);
@@ -125,7 +114,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     }
   }
   __syncthreads();
-  if constexpr (!exact) {
+  {
     // Rotate the queries: x <- H diag(signs) x / sqrt(D).
     const float* sgn = kp.signs + (long long)kh * D;
     for (int i = tid; i < 8 * D; i += NT) qs[i] *= __ldg(sgn + i % D);
@@ -186,7 +175,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
       return reinterpret_cast<const uint4*>(smem + L.qfrag)[j * 32 + lane];
   };
 
-  const float ksc = exact ? a.scale : kp.sigma * a.scale / kp.lev;
+  const float ksc = kp.sigma * a.scale / kp.lev;
   const unsigned lk = lane * 4, lv = lane * 4 + 128, ls = lane * 8;
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
@@ -194,19 +183,6 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   for (int i = 0; i < MT; i++)
 #pragma unroll
     for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
-
-  // Exact rows: row r of the two segments, clamped to the last one.
-  const long long nx = s1;
-  // (Selects, not an index: a run-time index into the parameter arrays would copy them to
-  // local memory.)
-  auto xrow = [&](bool keys, long long r) -> const uint8_t* {
-    r = min(r, nx - 1);
-    const bool first = r < f.xn[0];
-    const __half* seg = keys ? (first ? f.xk[0] : f.xk[1]) : (first ? f.xv[0] : f.xv[1]);
-    const long long off = first ? b * f.xb[0] + kh * f.xh[0] + r * D
-                                : b * f.xb[1] + kh * f.xh[1] + (r - f.xn[0]) * D;
-    return reinterpret_cast<const uint8_t*>(seg + off);
-  };
 
   for (int i = 0; i < count; i++) {
     issue(i + ST - 1);
@@ -222,15 +198,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
       float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
       float cs[4] = {0.f, 0.f, 0.f, 0.f};
       const int tk = nt * 8 + g;
-      if constexpr (exact) {
-        unsigned w[D / 8];
-        ldg_words<D / 8>(xrow(true, base + tk) + t4 * KSPAN * 2, w);
-#pragma unroll
-        for (int j = 0; j < KSTEPS; j++) {
-          const uint4 q = qfrag(j);
-          mma_16816(j & 1 ? c1 : c0, q.x, q.y, q.z, q.w, w[2 * j], w[2 * j + 1]);
-        }
-      } else {
+      {
         const int krow = kt + tk * a.kcb;
         unsigned w[KSW];
         lds_words<KSW>(smem, krow + 2 + t4 * KSB, w);
@@ -257,7 +225,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
       for (int e = 0; e < 2; e++) {
         const int tok = nt * 8 + 2 * t4 + e;
         float sc = ((c0[e] + c1[e]) + (c0[2 + e] + c1[2 + e])) * ksc;
-        if constexpr (!exact) {
+        {
           const uint8_t* r = smem + kt + tok * a.kcb;
           sc *= __half2float(*reinterpret_cast<const __half*>(r));
           if constexpr (SKETCH) {
@@ -268,33 +236,8 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
         s[nt][e] = tok < n ? sc : -INFINITY;
       }
     }
-    // Online softmax of head g over the chunk (the 4 lanes of a group share a head).
-    float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float mnew = fmaxf(m, mx);
-    float alpha = 1.f, p[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-    if (mnew != -INFINITY) {
-      alpha = __expf(m - mnew);
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) p[nt][e] = __expf(s[nt][e] - mnew);
-    }
-    m = mnew;
-    l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-    // Rescale only when some head's maximum moved (rare after the first chunks).
-    if (!__all_sync(0xffffffffu, alpha == 1.f)) {
-      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t4);
-      const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * t4 + 4);
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        acc[mt][0] *= al0;
-        acc[mt][1] *= al1;
-        acc[mt][2] *= al0;
-        acc[mt][3] *= al1;
-      }
-    }
+    float p[2][2];
+    fast_softmax<MT>(s, m, l, acc, p, t4);
     // Probabilities (times the value norms) as the B fragment of P V: tokens 2t4, 2t4+1 (b0)
     // and 2t4+8, 2t4+9 (b1) of head g.
     float pv[2][2];
@@ -303,23 +246,11 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const int tok = nt * 8 + 2 * t4 + e;
-        float vn = 1.f;
-        if constexpr (!exact) vn = __half2float(*reinterpret_cast<const __half*>(smem + vt + tok * a.vcb));
+        const float vn = __half2float(*reinterpret_cast<const __half*>(smem + vt + tok * a.vcb));
         pv[nt][e] = tok < n ? p[nt][e] * vn : 0.f;
       }
     const unsigned pb0 = pack_f2(pv[0][0], pv[0][1]), pb1 = pack_f2(pv[1][0], pv[1][1]);
-    if constexpr (exact) {
-      // Tokens u = 0..3: 2t4, 2t4+1, 2t4+8, 2t4+9; coordinates g*D/8 .. +D/8 of each.
-      unsigned vw[4][D / 16];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        ldg_words<D / 16>(xrow(false, base + (u >> 1) * 8 + 2 * t4 + (u & 1)) + g * VSPAN * 2, vw[u]);
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++)
-        mma_16816(acc[mt], __byte_perm(vw[0][mt], vw[1][mt], 0x5410),
-                  __byte_perm(vw[0][mt], vw[1][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410),
-                  __byte_perm(vw[2][mt], vw[3][mt], 0x7632), pb0, pb1);
-    } else {
+    {
       unsigned vw[4][VSW];
 #pragma unroll
       for (int u = 0; u < 4; u++)
@@ -337,18 +268,24 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();
-  fast_finish<D, NW>(a, f, L, smem, acc, m, l, qrows, kh, h0, gb, b, t,
-                     exact ? nullptr : vp.signs + (long long)kh * D, vp.sigma / vp.lev);
+  fast_finish<D, NW>(a, f, L, smem, acc, m, l, k, vp.signs + (long long)kh * D,
+                     vp.sigma / vp.lev);
 }
 
-// The kernel: the last x block of each (row, kv head) runs the exact rows when there are any.
+// The kernel: the last x block of each (row, kv head) runs the exact rows when there are any;
+// every block passes the values' rotation and scale to the merge (any may be the last).
 template <int D, int KB, int VB, bool SKETCH, int NW, class KP>
 __device__ inline void fast_entry(const AttendArgs& a, const KP& kp, const ScalarParams& vp,
                                   const FastArgs& f, uint8_t* smem) {
-  if (f.exact && blockIdx.x == gridDim.x - 1)
-    fast_attend<D, KB, VB, SKETCH, NW, true>(a, kp, vp, f, smem);
-  else
-    fast_attend<D, KB, VB, SKETCH, NW, false>(a, kp, vp, f, smem);
+  if (f.exact && blockIdx.x == gridDim.x - 1) {
+    constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
+    const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
+                                     D > 128, NW, a.kcb, a.vcb);
+    const int kh = blockIdx.y / a.hchunks;
+    fast_exact<D, NW>(a, f, L, smem, vp.signs + (long long)kh * D, vp.sigma / vp.lev);
+  } else {
+    fast_attend<D, KB, VB, SKETCH, NW>(a, kp, vp, f, smem);
+  }
 }
 
 }  // namespace kvq

@@ -11,7 +11,7 @@ use super::{
     AttendArgs, FastArgs, KeyArgs, ValueArgs, address, check_launch, drv, function_smem, poison,
     sm_count,
 };
-use crate::fast_geometry::{MAX_SLOTS, MAX_SMEM, smem, splits};
+use crate::fast_geometry::{MAX_SLOTS, MAX_SMEM, Tables, smem, splits};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::{Result, bail};
@@ -84,13 +84,8 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
         _ => return None,
     };
     let nw = warps(d);
-    let smem = smem(
-        d,
-        (kb, vb),
-        sketch,
-        (nw, stages()),
-        (k.row_bytes, v.row_bytes),
-    );
+    let tables = Tables::scalar(d, (kb, vb), sketch);
+    let smem = smem(d, tables, (nw, stages()), (k.row_bytes, v.row_bytes));
     let group = l.n_heads / l.n_kv_heads;
     let gb = group.min(8);
     (smem <= MAX_SMEM).then(|| FastPlan {
