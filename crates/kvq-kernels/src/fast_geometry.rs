@@ -156,6 +156,19 @@ mod tests {
                     "d {d} b {b}"
                 );
             }
+            // QJL's presets: (sketch m, outliers) at 3 and 4 bits, 2-bit values in groups of 64.
+            for (m, o) in [
+                (3 * d - d / 8 * 3, 1),
+                (4 * d + 8, 4),
+                (2 * 4 * d - 5 * d / 2, 4),
+            ] {
+                let (kcb, vcb) = (2 + m / 8 + 3 * o, 4 * (d / 64) + d / 4);
+                let t = Tables::qjl(2, m.div_ceil(64) * 64);
+                assert!(
+                    smem(d, t, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
+                    "qjl d {d} m {m}"
+                );
+            }
             for (kb, vb) in [(1, 1), (1, 2), (2, 2), (2, 3), (3, 3), (3, 4)] {
                 let (kcb, vcb) = (4 + d * kb / 8 + d / 8, 2 + d * vb / 8);
                 assert!(

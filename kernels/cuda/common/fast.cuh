@@ -145,10 +145,12 @@ __device__ inline void fast_load_rows(uint8_t* dst, const uint8_t* head, int cb,
     dst[x - a0] = __ldg(reinterpret_cast<const uint8_t*>(x));
 }
 
-// Query-side A fragments of k step j for this lane from a [8][D] float array (rows gb.. zero):
-// head g's coordinates t4*D/4 + 4j .. +3 as f16, hi parts in rows 0-7, lo parts in rows 8-15.
-__device__ inline uint4 fast_qfrag(const float* rows, int D, int g, int t4, int j) {
-  const float4 x = *reinterpret_cast<const float4*>(rows + g * D + t4 * (D / 4) + 4 * j);
+// Query-side A fragments of k step j for this lane from a [8][stride] float array (rows gb..
+// zero): head g's coordinates t4*span + 4j .. +3 as f16, hi parts in rows 0-7, lo parts in rows
+// 8-15 (the k slots 2t4, 2t4+1, 2t4+8, 2t4+9 of the m16n8k16 A tile).
+__device__ inline uint4 fast_qfrag_span(const float* rows, int stride, int span, int g, int t4,
+                                        int j) {
+  const float4 x = *reinterpret_cast<const float4*>(rows + g * stride + t4 * span + 4 * j);
   unsigned short h[4], l[4];
   split_f16(x.x, h[0], l[0]);
   split_f16(x.y, h[1], l[1]);
@@ -156,6 +158,11 @@ __device__ inline uint4 fast_qfrag(const float* rows, int D, int g, int t4, int 
   split_f16(x.w, h[3], l[3]);
   return make_uint4(pack_u16(h[0], h[1]), pack_u16(l[0], l[1]), pack_u16(h[2], h[3]),
                     pack_u16(l[2], l[3]));
+}
+
+// The same over [8][D] rows with the lane's span D/4 (the queries).
+__device__ inline uint4 fast_qfrag(const float* rows, int D, int g, int t4, int j) {
+  return fast_qfrag_span(rows, D, D / 4, g, t4, j);
 }
 
 // Where a block sits: kv head kh (chunk hc of its query heads, gb heads from h0), query row
@@ -459,3 +466,14 @@ __device__ void fast_exact(const AttendArgs& a, const FastArgs& f, const FastLay
 }
 
 }  // namespace kvq
+
+// Warps per block: 16 up to d = 128, 8 at 256 (its accumulators take twice the registers).
+// The launcher (kvq-kernels cuda/fast.rs) reads the same values from KVQ_FAST_NW_SMALL /
+// KVQ_FAST_NW_LARGE and KVQ_FAST_STAGES when PTX variants are loaded (KVQ_CUDA_PTX_DIR).
+#ifndef KVQ_FAST_NW_SMALL
+#define KVQ_FAST_NW_SMALL 16
+#endif
+#ifndef KVQ_FAST_NW_LARGE
+#define KVQ_FAST_NW_LARGE 8
+#endif
+#define KVQ_FAST_NW(D) ((D) > 128 ? KVQ_FAST_NW_LARGE : KVQ_FAST_NW_SMALL)

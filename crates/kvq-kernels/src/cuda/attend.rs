@@ -375,7 +375,7 @@ fn run_plan(
 
 /// Every query row's sketch projection `sqrt(pi/2)/m S q`, once before the attention (sketch
 /// keys only); fills the key parameters' `proj`.
-fn project(
+pub(super) fn project(
     dev: &CudaDevice,
     l: &AttendLaunch,
     module: &'static str,

@@ -1,10 +1,12 @@
-//! Launching the version-5 fused decode attention (kernels/cuda/turboquant_mse/fast.cuh) for
-//! TurboQuant-MSE, -RVQ (1 to 4 bits) and -Prod (stage of 1 to 3 bits, values of the stage's
-//! width or one more, sketch of dimension d): one launch per layer and decode step does the
-//! code splits, the exact fp16 rows (up to two segments, read in place: the sinks and the window)
-//! as one more block, and the split merge with the key center's logit shift, in the last block of
-//! each (row, kv head) to finish. The splits are sized so that all blocks run at once (one per
-//! multiprocessor: 64 KiB of lookup tables each at 4 bits).
+//! Launching the version-5 fused decode attention (kernels/cuda/common/fast.cuh and its
+//! families: turboquant_mse/fast.cuh for TurboQuant-MSE, -RVQ (1 to 4 bits) and -Prod (stage of
+//! 1 to 3 bits, values of the stage's width or one more, sketch of dimension d); qjl/fast.cu for
+//! QJL (2- or 4-bit groupwise values, after the queries' sketch projection, one small launch)).
+//! One launch per layer and decode step does the code splits, the exact fp16 rows (up to two
+//! segments, read in place: the sinks and the window) as one more block, and the split merge with
+//! the key center's logit shift, in the last block of each (row, kv head) to finish. The splits
+//! are sized so that all blocks run at once (one per multiprocessor: 64 KiB of lookup tables each
+//! at 4 bits).
 
 use super::attend::{AttendLaunch, CodeView, QueryView};
 use super::{
@@ -58,19 +60,24 @@ pub(super) struct FastPlan {
     hchunks: usize,
 }
 
-/// The fast kernel for decode (one query row per sequence) over scalar-codebook codes.
+/// The fast kernel for decode (one query row per sequence) over scalar-codebook codes (MSE,
+/// RVQ, Prod) or QJL's sketch keys and groupwise values.
 pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastPlan> {
     let d = l.d;
     if !enabled() || l.t != 1 || ![64, 128, 256].contains(&d) {
         return None;
     }
-    let (module, name, kb, vb, sketch) = match (&l.keys, &l.values) {
+    let (module, name, tables) = match (&l.keys, &l.values) {
         (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp))
             if kp.bits == vp.bits && (1..=4).contains(&kp.bits) =>
         {
             let b = kp.bits as usize;
             let name = format!("kvq_fast_scalar_d{d}_b{b}");
-            ("turboquant_mse_fast", name, b, b, false)
+            (
+                "turboquant_mse_fast",
+                name,
+                Tables::scalar(d, (b, b), false),
+            )
         }
         (KeyArgs::Prod(kp), ValueArgs::Scalar(vp))
             if (1..=3).contains(&kp.scalar.bits)
@@ -79,12 +86,28 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
         {
             let (kb, vb) = (kp.scalar.bits as usize, vp.bits as usize);
             let name = format!("kvq_fast_prod_d{d}_k{kb}_v{vb}");
-            ("turboquant_prod_fast", name, kb, vb, true)
+            (
+                "turboquant_prod_fast",
+                name,
+                Tables::scalar(d, (kb, vb), true),
+            )
+        }
+        // A lane's D/8 value coordinates must sit in one group.
+        (KeyArgs::Sketch(kp), ValueArgs::Group(vp))
+            if (vp.bits == 2 || vp.bits == 4)
+                && vp.group > 0
+                && (vp.group as usize).is_multiple_of(d / 8)
+                && d.is_multiple_of(vp.group as usize)
+                && kp.sketch.m > 0 =>
+        {
+            let vb = vp.bits as usize;
+            let name = format!("kvq_fast_qjl_d{d}_v{vb}");
+            let m_pad = (kp.sketch.m as usize).div_ceil(64) * 64;
+            ("qjl_fast", name, Tables::qjl(vb, m_pad))
         }
         _ => return None,
     };
     let nw = warps(d);
-    let tables = Tables::scalar(d, (kb, vb), sketch);
     let smem = smem(d, tables, (nw, stages()), (k.row_bytes, v.row_bytes));
     let group = l.n_heads / l.n_kv_heads;
     let gb = group.min(8);
@@ -268,11 +291,18 @@ pub(super) fn launch(
         block_dim: ((pl.nw * 32) as u32, 1, 1),
         shared_mem_bytes: pl.smem as u32,
     };
+    // QJL's keys need the queries' sketch projections first (one small launch).
+    let mut keys = l.keys;
+    let _proj = match keys {
+        KeyArgs::Sketch(_) => super::attend::project(dev, l, "qjl_attend", q, &mut keys)?,
+        _ => None,
+    };
     let mut b = stream.launch_builder(&func);
     b.arg(&a);
-    match (&l.keys, &l.values) {
+    match (&keys, &l.values) {
         (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
         (KeyArgs::Prod(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Sketch(kp), ValueArgs::Group(vp)) => b.arg(kp).arg(vp),
         _ => bail!("cuda: no fast attention kernel for this key / value pair"),
     };
     b.arg(&f);

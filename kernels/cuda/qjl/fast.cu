@@ -1,0 +1,214 @@
+// Version-5 fused decode attention of QJL (the frame of common/fast.cuh): one launch per layer
+// and decode step after the sketch projection. Keys: m16n8k16 mmas of the query's projection
+// sqrt(pi/2)/m S q (split hi + lo, the k dimension padded to a multiple of 64 with zeros) against
+// the key's sign bits, each 4 bits turned into two f16 pairs of +-1 by a per-lane shared table,
+// times the key norm, plus the exact outlier channels; values: groupwise codes through a per-lane
+// pair table of the codes as f16 integers, scaled and shifted by the token's group scale and
+// minimum in one f16x2 fma, summed by P V mmas. No rotation: the merge adds the slots as they are.
+#include "../common/fast.cuh"
+#include "../turboquant_mse/mma.cuh"
+#include "params.cuh"
+
+namespace kvq {
+
+// x * s + m on f16 pairs held as 32-bit words.
+__device__ inline unsigned hfma2_bits(unsigned x, unsigned s, unsigned m) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&x),
+                            *reinterpret_cast<const __half2*>(&s),
+                            *reinterpret_cast<const __half2*>(&m));
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+
+__device__ inline unsigned lds16(const uint8_t* smem, int off) {
+  return *reinterpret_cast<const unsigned short*>(smem + off);
+}
+
+// The sketch padded to a multiple of 64 (a whole number of k steps in each lane's quarter).
+__host__ __device__ inline int qjl_mpad(int m) { return (m + 63) & ~63; }
+
+template <int D, int VB, int NW>
+__device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
+                                const GroupParams& vp, const FastArgs& f,
+                                const FastLayout& L, uint8_t* smem) {
+  static_assert(VB == 2 || VB == 4, "value codes of 2 or 4 bits");
+  constexpr int NT = NW * 32, ST = KVQ_FAST_STAGES;
+  constexpr int VSPAN = D / 8, VSB = VSPAN * VB / 8, VSW = (VSB + 3) / 4, MT = D / 16;
+  const int m = kp.sketch.m, mpad = qjl_mpad(m), SK = mpad / 16, span = mpad / 4;
+  const int O = kp.outliers, groups = D / vp.group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const FastBlock k = fast_block(a);
+  float* qs = reinterpret_cast<float*>(smem + L.qs);
+
+  long long r0, r1;
+  code_rows(a, a.first_pos + k.t, r0, r1);
+  r1 = min(r1, a.n_rows);
+  const long long s0 = r0 + (long long)blockIdx.x * a.split_rows;
+  const long long s1 = max(min(r1, s0 + a.split_rows), s0);
+  const int kbuf = fast_stage_bytes(a.kcb), vbuf = fast_stage_bytes(a.vcb);
+  const int mine = L.stages + warp * ST * (kbuf + vbuf);
+  auto kstage = [&](int s) { return mine + s * kbuf; };
+  auto vstage = [&](int s) { return mine + ST * kbuf + s * vbuf; };
+  const uint8_t* kbase = a.kc + k.b * a.k_bstride + k.kh * a.k_hstride;
+  const uint8_t* vbase = a.vc + k.b * a.v_bstride + k.kh * a.v_hstride;
+  const uint8_t* kend = kbase + a.n_rows * a.kcb;
+  const uint8_t* vend = vbase + a.n_rows * a.vcb;
+  const int nchunks = (int)((s1 - s0 + 15) / 16);
+  const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
+  auto chunk_base = [&](int i) { return s0 + (long long)(warp + i * NW) * 16; };
+  auto issue = [&](int i) {
+    if (i < count) {
+      const long long base = chunk_base(i);
+      const int n = (int)min(16ll, s1 - base);
+      fast_load_rows(smem + kstage(i % ST), kbase, a.kcb, base, n, kend, lane);
+      fast_load_rows(smem + vstage(i % ST), vbase, a.vcb, base, n, vend, lane);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < ST - 1; i++) issue(i);
+
+  // Queries (the outliers' exact products); the value pair table (codes as f16 integers, in
+  // each row's value slots); the sign table; the projections padded with zeros.
+  fast_load_queries<D, NT>(a, k, qs);
+  {
+    constexpr int VR = 1 << (2 * VB);
+    unsigned* tab = reinterpret_cast<unsigned*>(smem + L.table);
+    for (int i = tid; i < VR * 64; i += NT) {
+      const int row = i >> 6, slot = i & 63;
+      tab[i] = slot < 32 ? 0u : pack_f2((float)(row & ((1 << VB) - 1)), (float)(row >> VB));
+    }
+    uint2* sg = reinterpret_cast<uint2*>(smem + L.signs);
+    for (int i = tid; i < 16 * 32; i += NT) {
+      const unsigned n = i >> 5;
+      sg[i] = make_uint2(signs_f16x2(n, 0), signs_f16x2(n, 2));
+    }
+    float* pj = reinterpret_cast<float*>(smem + L.proj);  // [8][mpad]
+    const long long prow = ((long long)k.b * a.nh + k.h0) * a.T + k.t;
+    for (int i = tid; i < 8 * mpad; i += NT) {
+      const int h = i / mpad, c = i % mpad;
+      pj[i] = h < k.gb && c < m ? kp.sketch.proj[(prow + (long long)h * a.T) * m + c] : 0.f;
+    }
+  }
+  __syncthreads();
+  {
+    const float* pj = reinterpret_cast<const float*>(smem + L.proj);
+    uint4* sf = reinterpret_cast<uint4*>(smem + L.sfrag);
+    for (int i = tid; i < SK * 32; i += NT) {
+      const int j = i / 32, ln = i % 32;
+      sf[i] = fast_qfrag_span(pj, mpad, span, ln >> 2, ln & 3, j);
+    }
+  }
+  __syncthreads();
+
+  const uint4* sf = reinterpret_cast<const uint4*>(smem + L.sfrag);
+  const unsigned lv = lane * 4 + 128, ls = lane * 8;
+  const int signs_at = 2 + t4 * span / 8, out_at = 2 + m / 8;
+  const int gi = (g * VSPAN) / vp.group;  // this lane's value group
+  float m_run = -INFINITY, l = 0.f;
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+
+  for (int i = 0; i < count; i++) {
+    issue(i + ST - 1);
+    cp_async_wait<ST - 1>();
+    __syncwarp();
+    const long long base = chunk_base(i);
+    const int n = (int)min(16ll, s1 - base);
+    const int kt = kstage(i % ST) + rows_offset(kbase, a.kcb, base);
+    const int vt = vstage(i % ST) + rows_offset(vbase, a.vcb, base);
+    float s[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      const int krow = kt + (nt * 8 + g) * a.kcb;
+      // Sign bits t4*span + 4j .. +3 of the key, four k steps per 16-bit load.
+#pragma unroll 2
+      for (int j4 = 0; j4 < SK / 4; j4++) {
+        const unsigned hw = lds16(smem, krow + signs_at + 2 * j4);
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+          const unsigned addr = (((hw >> (4 * jj)) & 15u) << 8) | ls;
+          const uint2 bb = lds64(smem, L.signs + addr);
+          const uint4 pf = sf[(4 * j4 + jj) * 32 + lane];
+          mma_16816(jj & 1 ? c1 : c0, pf.x, pf.y, pf.z, pf.w, bb.x, bb.y);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int tok = nt * 8 + 2 * t4 + e;
+        const int row = kt + tok * a.kcb;
+        float sc = ((c0[e] + c1[e]) + (c0[2 + e] + c1[2 + e])) *
+                   __half2float(__ushort_as_half((unsigned short)lds16(smem, row)));
+        for (int o = 0; o < O; o++) {
+          const int c = smem[row + out_at + o];
+          const float v =
+              __half2float(__ushort_as_half((unsigned short)lds16(smem, row + out_at + O + 2 * o)));
+          if (c < D) sc = fmaf(qs[g * D + c], v, sc);
+        }
+        s[nt][e] = tok < n ? sc * a.scale : -INFINITY;
+      }
+    }
+    float p[2][2];
+    fast_softmax<MT>(s, m_run, l, acc, p, t4);
+    const unsigned pb0 = pack_f2(p[0][0], p[0][1]), pb1 = pack_f2(p[1][0], p[1][1]);
+    // Tokens u = 0..3: 2t4, 2t4+1, 2t4+8, 2t4+9: their group's scale and minimum as f16 pairs
+    // (tokens 0, 1 and 2, 3), and this lane's codes of each.
+    unsigned vw[4][VSW];
+    unsigned sc[4], mn[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int row = vt + ((u >> 1) * 8 + 2 * t4 + (u & 1)) * a.vcb;
+      sc[u] = lds16(smem, row + 4 * gi);
+      mn[u] = lds16(smem, row + 4 * gi + 2);
+      lds_words<VSW>(smem, row + 4 * groups + g * VSB, vw[u]);
+    }
+    const unsigned s01 = pack_u16(sc[0], sc[1]), s23 = pack_u16(sc[2], sc[3]);
+    const unsigned m01 = pack_u16(mn[0], mn[1]), m23 = pack_u16(mn[2], mn[3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      const unsigned e0 = lds32(smem, L.table + pair_addr<VB>(vw[0], mt, lv));
+      const unsigned e1 = lds32(smem, L.table + pair_addr<VB>(vw[1], mt, lv));
+      const unsigned e2 = lds32(smem, L.table + pair_addr<VB>(vw[2], mt, lv));
+      const unsigned e3 = lds32(smem, L.table + pair_addr<VB>(vw[3], mt, lv));
+      mma_16816(acc[mt], hfma2_bits(__byte_perm(e0, e1, 0x5410), s01, m01),
+                hfma2_bits(__byte_perm(e0, e1, 0x7632), s01, m01),
+                hfma2_bits(__byte_perm(e2, e3, 0x5410), s23, m23),
+                hfma2_bits(__byte_perm(e2, e3, 0x7632), s23, m23), pb0, pb1);
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  fast_finish<D, NW>(a, f, L, smem, acc, m_run, l, k, nullptr, 1.f);
+}
+
+template <int D, int VB, int NW>
+__device__ inline void qjl_fast_entry(const AttendArgs& a, const QjlKeyParams& kp,
+                                      const GroupParams& vp, const FastArgs& f, uint8_t* smem) {
+  const int mpad = qjl_mpad(kp.sketch.m);
+  const FastLayout L = fast_layout(D, 1 << (2 * VB), mpad / 16, 8 * mpad, D > 128, NW, a.kcb,
+                                   a.vcb);
+  if (f.exact && blockIdx.x == gridDim.x - 1)
+    fast_exact<D, NW>(a, f, L, smem, nullptr, 1.f);
+  else
+    qjl_fast_attend<D, VB, NW>(a, kp, vp, f, L, smem);
+}
+
+}  // namespace kvq
+
+#define KVQ_FAST_QJL(D, VB)                                                                   \
+  extern "C" __global__ void __launch_bounds__(KVQ_FAST_NW(D) * 32, 1)                        \
+      kvq_fast_qjl_d##D##_v##VB(kvq::AttendArgs a, kvq::QjlKeyParams kp, kvq::GroupParams vp, \
+                                kvq::FastArgs f) {                                            \
+    extern __shared__ __align__(16) uint8_t kvq_smem[];                                       \
+    kvq::qjl_fast_entry<D, VB, KVQ_FAST_NW(D)>(a, kp, vp, f, kvq_smem);                       \
+  }
+
+KVQ_FAST_QJL(64, 2)
+KVQ_FAST_QJL(64, 4)
+KVQ_FAST_QJL(128, 2)
+KVQ_FAST_QJL(128, 4)
+KVQ_FAST_QJL(256, 2)
+KVQ_FAST_QJL(256, 4)
