@@ -65,6 +65,16 @@ impl Tables {
         }
     }
 
+    /// The VecInfer kernel: `bytes` of f16 codebooks (keys' and values', a multiple of 256).
+    pub fn books(bytes: usize, d: usize) -> Self {
+        Self {
+            rows: bytes.div_ceil(256),
+            sketch_steps: 0,
+            proj_floats: 0,
+            qfrag: d > 128,
+        }
+    }
+
     /// The QJL kernel: value pair tables of `vb` bits, a sketch padded to `m_pad` (a multiple
     /// of 64).
     pub fn qjl(vb: usize, m_pad: usize) -> Self {
@@ -167,6 +177,18 @@ mod tests {
                 assert!(
                     smem(d, t, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
                     "qjl d {d} m {m}"
+                );
+            }
+            // VecInfer: per-position codebooks fit up to d = 128, shared ones everywhere.
+            for sub in [4, 8] {
+                let cb = d / sub;
+                let shared = smem(d, Tables::books(2 * 256 * sub * 2, d), (nw, 3), (cb, cb));
+                let per_pos = smem(d, Tables::books(2 * d * 512, d), (nw, 3), (cb, cb));
+                assert!(shared <= MAX_SMEM, "vq d {d} s {sub} shared");
+                assert_eq!(
+                    per_pos <= MAX_SMEM,
+                    d <= 128,
+                    "vq d {d} s {sub} per position"
                 );
             }
             for (kb, vb) in [(1, 1), (1, 2), (2, 2), (2, 3), (3, 3), (3, 4)] {

@@ -4,16 +4,9 @@
 // gathered from the codebooks (in shared memory when they fit, else through the read-only
 // cache) and rotated back once per block.
 #include "../turboquant_mse/scalar.cuh"
+#include "params.cuh"
 
 namespace kvq {
-
-struct VqParams {
-  const float* books;  // [nb][256][sub]
-  const float* signs;  // [kvh][D]
-  const float* lambda; // [kvh][D] (keys only)
-  int nb, sub;
-  int books_in_smem;   // values: copy the codebooks to shared memory
-};
 
 // State: LUT [D/sub][GB][256] | scratch [GB][D].
 struct VqKeys {

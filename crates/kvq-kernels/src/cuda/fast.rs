@@ -1,7 +1,8 @@
 //! Launching the version-5 fused decode attention (kernels/cuda/common/fast.cuh and its
 //! families: turboquant_mse/fast.cuh for TurboQuant-MSE, -RVQ (1 to 4 bits) and -Prod (stage of
 //! 1 to 3 bits, values of the stage's width or one more, sketch of dimension d); qjl/fast.cu for
-//! QJL (2- or 4-bit groupwise values, after the queries' sketch projection, one small launch)).
+//! QJL (2- or 4-bit groupwise values, after the queries' sketch projection, one small launch);
+//! vecinfer/fast.cu for VecInfer (both codebooks in shared memory)).
 //! One launch per layer and decode step does the code splits, the exact fp16 rows (up to two
 //! segments, read in place: the sinks and the window) as one more block, and the split merge with
 //! the key center's logit shift, in the last block of each (row, kv head) to finish. The splits
@@ -104,6 +105,15 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let name = format!("kvq_fast_qjl_d{d}_v{vb}");
             let m_pad = (kp.sketch.m as usize).div_ceil(64) * 64;
             ("qjl_fast", name, Tables::qjl(vb, m_pad))
+        }
+        // Both codebooks (f16) in shared memory: per-position books at d = 256 do not fit.
+        (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
+            if kp.sub == vp.sub && (kp.sub == 4 || kp.sub == 8) && kp.books16 != 0 =>
+        {
+            let sub = kp.sub as usize;
+            let name = format!("kvq_fast_vq_d{d}_s{sub}");
+            let bytes = (kp.nb + vp.nb) as usize * 256 * sub * 2;
+            ("vecinfer_fast", name, Tables::books(bytes, d))
         }
         _ => return None,
     };
@@ -303,6 +313,7 @@ pub(super) fn launch(
         (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
         (KeyArgs::Prod(kp), ValueArgs::Scalar(vp)) => b.arg(kp).arg(vp),
         (KeyArgs::Sketch(kp), ValueArgs::Group(vp)) => b.arg(kp).arg(vp),
+        (KeyArgs::Vq(kp), ValueArgs::Vq(vp)) => b.arg(kp).arg(vp),
         _ => bail!("cuda: no fast attention kernel for this key / value pair"),
     };
     b.arg(&f);

@@ -151,6 +151,8 @@ pub struct VqParams {
     pub nb: i32,
     pub sub: i32,
     pub books_in_smem: i32,
+    /// The codebooks in f16 (the version-5 kernel copies them to shared memory).
+    pub books16: u64,
 }
 
 #[repr(C)]
@@ -294,6 +296,7 @@ fn sketch_dev(dev: &CudaDevice, s: &SketchSpec) -> Result<(CudaSlice<f32>, i32)>
 
 pub struct VqDev {
     books: CudaSlice<f32>,
+    books16: CudaSlice<half::f16>,
     signs: CudaSlice<f32>,
     lambda: Option<CudaSlice<f32>>,
     nb: i32,
@@ -305,8 +308,10 @@ impl VqDev {
         if v.sub != 4 && v.sub != 8 {
             bail!("cuda: vecinfer sub-vectors of 4 or 8, got {}", v.sub)
         }
+        let books16: Vec<half::f16> = v.books.iter().map(|&x| half::f16::from_f32(x)).collect();
         Ok(Self {
             books: upload(dev, &v.books)?,
+            books16: upload(dev, &books16)?,
             signs: upload(dev, &v.signs)?,
             lambda: match v.lambda.is_empty() {
                 true => None,
@@ -326,6 +331,7 @@ impl VqDev {
             nb: self.nb,
             sub: self.sub,
             books_in_smem: 0,
+            books16: address(&self.books16, &st, 0),
         }
     }
 }
