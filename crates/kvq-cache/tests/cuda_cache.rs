@@ -44,10 +44,10 @@ fn randn(rng: &mut SplitMix, dims: &[usize]) -> Tensor {
 fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
     let a = a.flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("a");
     let b = b.flatten_all().and_then(|x| x.to_vec1::<f32>()).expect("b");
-    assert!(
-        a.iter().all(|x| x.is_finite()),
-        "non-finite output (unwritten?)"
-    );
+    if !a.iter().all(|x| x.is_finite()) {
+        // Unwritten (poisoned) or NaN: the caller's bound fails and names the case.
+        return f64::NAN;
+    }
     let num: f64 = a
         .iter()
         .zip(&b)
@@ -91,6 +91,7 @@ fn cache_on_cuda_matches_the_cpu_cache() {
                 method: Some(method.into()),
                 bits: (method != "fp16").then_some(bits),
             };
+            eprintln!("cache {name} d{d} window {window:?}");
             let f = reg.resolve(&spec).expect("resolve").factory;
             let (mut cpu, mut gpu) = (
                 f.create(3, &g).expect("cache"),

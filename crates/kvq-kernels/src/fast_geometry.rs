@@ -76,13 +76,13 @@ impl Tables {
     }
 
     /// The QJL kernel: value pair tables of `vb` bits, a sketch padded to `m_pad` (a multiple
-    /// of 64).
-    pub fn qjl(vb: usize, m_pad: usize) -> Self {
+    /// of 64); the query fragments of its exact rows' block at d = 256.
+    pub fn qjl(d: usize, vb: usize, m_pad: usize) -> Self {
         Self {
             rows: 1 << (2 * vb),
             sketch_steps: m_pad / 16,
             proj_floats: 8 * m_pad,
-            qfrag: false,
+            qfrag: d > 128,
         }
     }
 }
@@ -173,7 +173,7 @@ mod tests {
                 (2 * 4 * d - 5 * d / 2, 4),
             ] {
                 let (kcb, vcb) = (2 + m / 8 + 3 * o, 4 * (d / 64) + d / 4);
-                let t = Tables::qjl(2, m.div_ceil(64) * 64);
+                let t = Tables::qjl(d, 2, m.div_ceil(64) * 64);
                 assert!(
                     smem(d, t, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
                     "qjl d {d} m {m}"

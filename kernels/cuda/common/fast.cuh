@@ -74,6 +74,14 @@ __host__ __device__ inline FastLayout fast_layout(int D, int table_rows, int ske
   return l;
 }
 
+// Stops the kernel (a launch error, never a silent overrun) when the launcher gave less dynamic
+// shared memory than the layout takes: the Rust mirror of `fast_layout` and this one disagree.
+__device__ inline void fast_check_smem(const FastLayout& L) {
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  if ((unsigned)L.total > dyn) __trap();
+}
+
 __device__ inline unsigned lds32(const uint8_t* smem, unsigned off) {
   return *reinterpret_cast<const unsigned*>(smem + off);
 }

@@ -19,8 +19,10 @@ __device__ inline unsigned hfma2_bits(unsigned x, unsigned s, unsigned m) {
   return *reinterpret_cast<const unsigned*>(&r);
 }
 
+// A 16-bit little-endian field at any byte offset: key rows may have odd lengths (their
+// outliers take 3 bytes each), so their fields are read byte by byte.
 __device__ inline unsigned lds16(const uint8_t* smem, int off) {
-  return *reinterpret_cast<const unsigned short*>(smem + off);
+  return (unsigned)smem[off] | ((unsigned)smem[off + 1] << 8);
 }
 
 // The sketch padded to a multiple of 64 (a whole number of k steps in each lane's quarter).
@@ -160,9 +162,12 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     unsigned sc[4], mn[4];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
-      const int row = vt + ((u >> 1) * 8 + 2 * t4 + (u & 1)) * a.vcb;
-      sc[u] = lds16(smem, row + 4 * gi);
-      mn[u] = lds16(smem, row + 4 * gi + 2);
+      const int tok = (u >> 1) * 8 + 2 * t4 + (u & 1);
+      const int row = vt + tok * a.vcb;
+      // Rows past the chunk's end hold stale bytes: their scale and minimum are zeroed so the
+      // values they give are 0, not NaN (a zero probability times NaN is NaN).
+      sc[u] = tok < n ? lds16(smem, row + 4 * gi) : 0u;
+      mn[u] = tok < n ? lds16(smem, row + 4 * gi + 2) : 0u;
       lds_words<VSW>(smem, row + 4 * groups + g * VSB, vw[u]);
     }
     const unsigned s01 = pack_u16(sc[0], sc[1]), s23 = pack_u16(sc[2], sc[3]);
@@ -190,6 +195,7 @@ __device__ inline void qjl_fast_entry(const AttendArgs& a, const QjlKeyParams& k
   const int mpad = qjl_mpad(kp.sketch.m);
   const FastLayout L = fast_layout(D, 1 << (2 * VB), mpad / 16, 8 * mpad, D > 128, NW, a.kcb,
                                    a.vcb);
+  fast_check_smem(L);
   if (f.exact && blockIdx.x == gridDim.x - 1)
     fast_exact<D, NW>(a, f, L, smem, nullptr, 1.f);
   else

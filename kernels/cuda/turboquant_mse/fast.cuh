@@ -49,6 +49,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
   const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
                                    !QREG, NW, a.kcb, a.vcb);
+  fast_check_smem(L);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
   const int kh = k.kh, b = k.b, gb = k.gb;
@@ -281,6 +282,7 @@ __device__ inline void fast_entry(const AttendArgs& a, const KP& kp, const Scala
     constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
     const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
                                      D > 128, NW, a.kcb, a.vcb);
+    fast_check_smem(L);
     const int kh = blockIdx.y / a.hchunks;
     fast_exact<D, NW>(a, f, L, smem, vp.signs + (long long)kh * D, vp.sigma / vp.lev);
   } else {

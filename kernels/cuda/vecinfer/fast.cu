@@ -164,6 +164,7 @@ __device__ inline void vq_fast_entry(const AttendArgs& a, const VqParams& kp, co
                                      const FastArgs& f, uint8_t* smem) {
   const int rows = (vq_book_bytes(kp.nb, SUB) + vq_book_bytes(vp.nb, SUB)) / 256;
   const FastLayout L = fast_layout(D, rows, 0, 0, D > 128, NW, a.kcb, a.vcb);
+  fast_check_smem(L);
   if (f.exact && blockIdx.x == gridDim.x - 1)
     fast_exact<D, NW>(a, f, L, smem, vp.signs + (long long)(blockIdx.y / a.hchunks) * D, 1.f);
   else

@@ -104,7 +104,7 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let vb = vp.bits as usize;
             let name = format!("kvq_fast_qjl_d{d}_v{vb}");
             let m_pad = (kp.sketch.m as usize).div_ceil(64) * 64;
-            ("qjl_fast", name, Tables::qjl(vb, m_pad))
+            ("qjl_fast", name, Tables::qjl(d, vb, m_pad))
         }
         // Both codebooks (f16) in shared memory: per-position books at d = 256 do not fit.
         (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
