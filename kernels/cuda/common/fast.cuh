@@ -201,6 +201,115 @@ __device__ inline void fast_load_queries(const AttendArgs& a, const FastBlock& k
   }
 }
 
+// The code rows of one block: a split of its query row's code range, copied per warp in chunks
+// of 16 rows, KVQ_FAST_STAGES deep with cp.async, keys and values alike (every family's loop).
+template <int NW>
+struct FastChunks {
+  long long s0, s1;
+  int count, mine, kbuf, vbuf, kcb, vcb, warp, lane;
+  const uint8_t *kbase, *vbase, *kend, *vend;
+
+  __device__ FastChunks(const AttendArgs& a, const FastLayout& L, const FastBlock& k) {
+    long long r0, r1;
+    code_rows(a, a.first_pos + k.t, r0, r1);
+    r1 = min(r1, a.n_rows);
+    s0 = r0 + (long long)blockIdx.x * a.split_rows;
+    s1 = max(min(r1, s0 + a.split_rows), s0);
+    warp = threadIdx.x >> 5;
+    lane = threadIdx.x & 31;
+    kcb = a.kcb;
+    vcb = a.vcb;
+    kbuf = fast_stage_bytes(kcb);
+    vbuf = fast_stage_bytes(vcb);
+    mine = L.stages + warp * KVQ_FAST_STAGES * (kbuf + vbuf);
+    kbase = a.kc + k.b * a.k_bstride + k.kh * a.k_hstride;
+    vbase = a.vc + k.b * a.v_bstride + k.kh * a.v_hstride;
+    kend = kbase + a.n_rows * kcb;
+    vend = vbase + a.n_rows * vcb;
+    const int nchunks = (int)((s1 - s0 + 15) / 16);
+    count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
+  }
+  // Chunk i's first row and the rows it holds.
+  __device__ long long base(int i) const { return s0 + (long long)(warp + i * NW) * 16; }
+  __device__ int rows(int i) const { return (int)min(16ll, s1 - base(i)); }
+  // Starts copying chunk i (none past the last; the commit keeps the groups even).
+  __device__ void issue(uint8_t* smem, int i) const {
+    if (i < count) {
+      const int s = i % KVQ_FAST_STAGES;
+      fast_load_rows(smem + mine + s * kbuf, kbase, kcb, base(i), rows(i), kend, lane);
+      fast_load_rows(smem + mine + KVQ_FAST_STAGES * kbuf + s * vbuf, vbase, vcb, base(i), rows(i),
+                     vend, lane);
+    }
+    cp_async_commit();
+  }
+  // The first KVQ_FAST_STAGES - 1 chunks.
+  __device__ void start(uint8_t* smem) const {
+#pragma unroll
+    for (int i = 0; i < KVQ_FAST_STAGES - 1; i++) issue(smem, i);
+  }
+  // Starts chunk i + KVQ_FAST_STAGES - 1, waits for chunk i: where its key and value rows sit.
+  __device__ void next(uint8_t* smem, int i, int& kt, int& vt) const {
+    issue(smem, i + KVQ_FAST_STAGES - 1);
+    cp_async_wait<KVQ_FAST_STAGES - 1>();
+    __syncwarp();
+    const int s = i % KVQ_FAST_STAGES;
+    kt = mine + s * kbuf + rows_offset(kbase, kcb, base(i));
+    vt = mine + KVQ_FAST_STAGES * kbuf + s * vbuf + rows_offset(vbase, vcb, base(i));
+  }
+};
+
+// This lane's query A fragments of every k step, from the [8][D] queries `qs`: in registers up to
+// D = 128, else in shared memory (built there by all threads: a barrier).
+template <int D, int NT>
+struct FastQueryFrags {
+  static constexpr bool REG = D <= 128;
+  uint4 qa[REG ? D / 16 : 1];
+  const uint4* sm;
+  int lane;
+
+  __device__ FastQueryFrags(const float* qs, uint8_t* smem, const FastLayout& L) {
+    lane = threadIdx.x & 31;
+    sm = reinterpret_cast<const uint4*>(smem + L.qfrag);
+    if constexpr (REG) {
+#pragma unroll
+      for (int j = 0; j < D / 16; j++) qa[j] = fast_qfrag(qs, D, lane >> 2, lane & 3, j);
+    } else {
+      uint4* qf = reinterpret_cast<uint4*>(smem + L.qfrag);
+      for (int i = threadIdx.x; i < D / 16 * 32; i += NT)
+        qf[i] = fast_qfrag(qs, D, (i % 32) >> 2, i % 4, i / 32);
+      __syncthreads();
+    }
+  }
+  __device__ uint4 operator()(int j) const {
+    if constexpr (REG)
+      return qa[j];
+    else
+      return sm[j * 32 + lane];
+  }
+};
+
+// O += P V over this lane's four tokens (2t4, 2t4+1, 2t4+8, 2t4+9), whose words `vw[u][mt]` hold
+// the f16 pairs of coordinates 2mt, 2mt + 1 of the lane's span: a byte permute per token pair
+// forms each A fragment; `pb0`, `pb1` the probabilities as the B fragment.
+template <int MT>
+__device__ inline void fast_pv(float (&acc)[MT][4], const unsigned (&vw)[4][MT], unsigned pb0,
+                               unsigned pb1) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+    mma_16816(acc[mt], __byte_perm(vw[0][mt], vw[1][mt], 0x5410),
+              __byte_perm(vw[0][mt], vw[1][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410),
+              __byte_perm(vw[2][mt], vw[3][mt], 0x7632), pb0, pb1);
+}
+
+// Zeroed accumulators.
+template <int MT>
+__device__ inline void fast_zero(float (&acc)[MT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+}
+
 // One chunk's online-softmax step for head g of this lane: scores `s` of tokens nt*8 + 2t4 + e
 // (-inf where masked) update the running max `m` and sum `l` (over this lane's tokens), rescale
 // the accumulators when some head's maximum moved (rare after the first chunks), and give the
@@ -393,28 +502,12 @@ template <int D, int NW>
 __device__ void fast_exact(const AttendArgs& a, const FastArgs& f, const FastLayout& L,
                            uint8_t* smem, const float* vsigns, float vscale) {
   constexpr int NT = NW * 32, KSPAN = D / 4, VSPAN = D / 8, KSTEPS = D / 16, MT = D / 16;
-  constexpr bool QREG = D <= 128;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
   float* qs = reinterpret_cast<float*>(smem + L.qs);
   fast_load_queries<D, NT>(a, k, qs);
   __syncthreads();
-  if constexpr (!QREG) {
-    uint4* qf = reinterpret_cast<uint4*>(smem + L.qfrag);
-    for (int i = tid; i < KSTEPS * 32; i += NT) qf[i] = fast_qfrag(qs, D, (i % 32) >> 2, i % 4, i / 32);
-    __syncthreads();
-  }
-  uint4 qa[QREG ? KSTEPS : 1];
-  if constexpr (QREG) {
-#pragma unroll
-    for (int j = 0; j < KSTEPS; j++) qa[j] = fast_qfrag(qs, D, g, t4, j);
-  }
-  auto qfrag = [&](int j) -> uint4 {
-    if constexpr (QREG)
-      return qa[j];
-    else
-      return reinterpret_cast<const uint4*>(smem + L.qfrag)[j * 32 + lane];
-  };
+  const FastQueryFrags<D, NT> qfrag(qs, smem, L);
   const long long nx = f.xn[0] + f.xn[1];
   // Row r of the two segments, clamped to the last one. (Selects, not an index: a run-time
   // index into the parameter arrays would copy them to local memory.)
@@ -430,10 +523,7 @@ __device__ void fast_exact(const AttendArgs& a, const FastArgs& f, const FastLay
   const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+  fast_zero<MT>(acc);
   for (int i = 0; i < count; i++) {
     const long long base = (long long)(warp + i * NW) * 16;
     const int n = (int)min(16ll, nx - base);
@@ -464,11 +554,7 @@ __device__ void fast_exact(const AttendArgs& a, const FastArgs& f, const FastLay
 #pragma unroll
     for (int u = 0; u < 4; u++)
       ldg_words<D / 16>(xrow(false, base + (u >> 1) * 8 + 2 * t4 + (u & 1)) + g * VSPAN * 2, vw[u]);
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-      mma_16816(acc[mt], __byte_perm(vw[0][mt], vw[1][mt], 0x5410),
-                __byte_perm(vw[0][mt], vw[1][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410),
-                __byte_perm(vw[2][mt], vw[3][mt], 0x7632), pb0, pb1);
+    fast_pv<MT>(acc, vw, pb0, pb1);
   }
   fast_finish<D, NW>(a, f, L, smem, acc, m, l, k, vsigns, vscale);
 }

@@ -33,41 +33,17 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
                                 const GroupParams& vp, const FastArgs& f,
                                 const FastLayout& L, uint8_t* smem) {
   static_assert(VB == 2 || VB == 4, "value codes of 2 or 4 bits");
-  constexpr int NT = NW * 32, ST = KVQ_FAST_STAGES;
+  constexpr int NT = NW * 32;
   constexpr int VSPAN = D / 8, VSB = VSPAN * VB / 8, VSW = (VSB + 3) / 4, MT = D / 16;
   const int m = kp.sketch.m, mpad = qjl_mpad(m), SK = mpad / 16, span = mpad / 4;
   const int O = kp.outliers, groups = D / vp.group;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
   float* qs = reinterpret_cast<float*>(smem + L.qs);
 
-  long long r0, r1;
-  code_rows(a, a.first_pos + k.t, r0, r1);
-  r1 = min(r1, a.n_rows);
-  const long long s0 = r0 + (long long)blockIdx.x * a.split_rows;
-  const long long s1 = max(min(r1, s0 + a.split_rows), s0);
-  const int kbuf = fast_stage_bytes(a.kcb), vbuf = fast_stage_bytes(a.vcb);
-  const int mine = L.stages + warp * ST * (kbuf + vbuf);
-  auto kstage = [&](int s) { return mine + s * kbuf; };
-  auto vstage = [&](int s) { return mine + ST * kbuf + s * vbuf; };
-  const uint8_t* kbase = a.kc + k.b * a.k_bstride + k.kh * a.k_hstride;
-  const uint8_t* vbase = a.vc + k.b * a.v_bstride + k.kh * a.v_hstride;
-  const uint8_t* kend = kbase + a.n_rows * a.kcb;
-  const uint8_t* vend = vbase + a.n_rows * a.vcb;
-  const int nchunks = (int)((s1 - s0 + 15) / 16);
-  const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
-  auto chunk_base = [&](int i) { return s0 + (long long)(warp + i * NW) * 16; };
-  auto issue = [&](int i) {
-    if (i < count) {
-      const long long base = chunk_base(i);
-      const int n = (int)min(16ll, s1 - base);
-      fast_load_rows(smem + kstage(i % ST), kbase, a.kcb, base, n, kend, lane);
-      fast_load_rows(smem + vstage(i % ST), vbase, a.vcb, base, n, vend, lane);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < ST - 1; i++) issue(i);
+  // This block's rows (a split of the query row's code range), the first copies started.
+  const FastChunks<NW> ch(a, L, k);
+  ch.start(smem);
 
   // Queries (the outliers' exact products); the value pair table (codes as f16 integers, in
   // each row's value slots); the sign table; the projections padded with zeros.
@@ -108,19 +84,12 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   const int gi = (g * VSPAN) / vp.group;  // this lane's value group
   float m_run = -INFINITY, l = 0.f;
   float acc[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+  fast_zero<MT>(acc);
 
-  for (int i = 0; i < count; i++) {
-    issue(i + ST - 1);
-    cp_async_wait<ST - 1>();
-    __syncwarp();
-    const long long base = chunk_base(i);
-    const int n = (int)min(16ll, s1 - base);
-    const int kt = kstage(i % ST) + rows_offset(kbase, a.kcb, base);
-    const int vt = vstage(i % ST) + rows_offset(vbase, a.vcb, base);
+  for (int i = 0; i < ch.count; i++) {
+    int kt, vt;
+    ch.next(smem, i, kt, vt);
+    const int n = ch.rows(i);
     float s[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {

@@ -39,7 +39,6 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   static_assert(D == 64 || D == 128 || D == 256, "head dim");
   static_assert(KB >= 1 && KB <= 4 && VB >= 1 && VB <= 4, "code widths");
   constexpr int NT = NW * 32;
-  constexpr int ST = KVQ_FAST_STAGES;
   constexpr int KSPAN = D / 4, KSB = KSPAN * KB / 8, KSW = (KSB + 3) / 4;
   constexpr int VSPAN = D / 8, VSB = VSPAN * VB / 8, VSW = (VSB + 3) / 4;
   constexpr int KSTEPS = D / 16, MT = D / 16;
@@ -50,39 +49,14 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
                                    !QREG, NW, a.kcb, a.vcb);
   fast_check_smem(L);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
-  const int kh = k.kh, b = k.b, gb = k.gb;
+  const int kh = k.kh, gb = k.gb;
   float* qs = reinterpret_cast<float*>(smem + L.qs);
 
-  // This block's rows: a split of the query row's code range.
-  long long r0, r1;
-  code_rows(a, a.first_pos + k.t, r0, r1);
-  r1 = min(r1, a.n_rows);
-  const long long s0 = r0 + (long long)blockIdx.x * a.split_rows;
-  const long long s1 = max(min(r1, s0 + a.split_rows), s0);
-  const int kbuf = fast_stage_bytes(a.kcb), vbuf = fast_stage_bytes(a.vcb);
-  const int mine = L.stages + warp * ST * (kbuf + vbuf);
-  auto kstage = [&](int s) { return mine + s * kbuf; };
-  auto vstage = [&](int s) { return mine + ST * kbuf + s * vbuf; };
-  const uint8_t* kbase = a.kc + b * a.k_bstride + kh * a.k_hstride;
-  const uint8_t* vbase = a.vc + b * a.v_bstride + kh * a.v_hstride;
-  const uint8_t* kend = kbase + a.n_rows * a.kcb;
-  const uint8_t* vend = vbase + a.n_rows * a.vcb;
-  const int nchunks = (int)((s1 - s0 + 15) / 16);
-  const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
-  auto chunk_base = [&](int i) { return s0 + (long long)(warp + i * NW) * 16; };
-  auto issue = [&](int i) {
-    if (i < count) {
-      const long long base = chunk_base(i);
-      const int n = (int)min(16ll, s1 - base);
-      fast_load_rows(smem + kstage(i % ST), kbase, a.kcb, base, n, kend, lane);
-      fast_load_rows(smem + vstage(i % ST), vbase, a.vcb, base, n, vend, lane);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < ST - 1; i++) issue(i);
+  // This block's rows (a split of the query row's code range), the first copies started.
+  const FastChunks<NW> ch(a, L, k);
+  ch.start(smem);
 
   // Queries (rows gb..7 zero); tables; sketch projections.
   const float* qrows = k.qrows;
@@ -159,40 +133,18 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     }
     __syncthreads();
   }
-  if constexpr (!QREG) {
-    uint4* qf = reinterpret_cast<uint4*>(smem + L.qfrag);
-    for (int i = tid; i < KSTEPS * 32; i += NT) qf[i] = fast_qfrag(qs, D, (i % 32) >> 2, i % 4, i / 32);
-    __syncthreads();
-  }
-  uint4 qa[QREG ? KSTEPS : 1];
-  if constexpr (QREG) {
-#pragma unroll
-    for (int j = 0; j < KSTEPS; j++) qa[j] = fast_qfrag(qs, D, g, t4, j);
-  }
-  auto qfrag = [&](int j) -> uint4 {
-    if constexpr (QREG)
-      return qa[j];
-    else
-      return reinterpret_cast<const uint4*>(smem + L.qfrag)[j * 32 + lane];
-  };
+  const FastQueryFrags<D, NT> qfrag(qs, smem, L);
 
   const float ksc = kp.sigma * a.scale / kp.lev;
   const unsigned lk = lane * 4, lv = lane * 4 + 128, ls = lane * 8;
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+  fast_zero<MT>(acc);
 
-  for (int i = 0; i < count; i++) {
-    issue(i + ST - 1);
-    cp_async_wait<ST - 1>();
-    __syncwarp();
-    const long long base = chunk_base(i);
-    const int n = (int)min(16ll, s1 - base);
-    const int kt = kstage(i % ST) + rows_offset(kbase, a.kcb, base);
-    const int vt = vstage(i % ST) + rows_offset(vbase, a.vcb, base);
+  for (int i = 0; i < ch.count; i++) {
+    int kt, vt;
+    ch.next(smem, i, kt, vt);
+    const int n = ch.rows(i);
     float s[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {

@@ -17,41 +17,16 @@ template <int D, int SUB, int NW>
 __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const VqParams& vp,
                                const FastArgs& f, const FastLayout& L, uint8_t* smem) {
   static_assert(SUB == 4 || SUB == 8, "sub-vectors of 4 or 8");
-  constexpr int NT = NW * 32, ST = KVQ_FAST_STAGES;
+  constexpr int NT = NW * 32;
   constexpr int KSPAN = D / 4, VSPAN = D / 8, KSTEPS = D / 16, MT = D / 16;
-  constexpr bool QREG = D <= 128;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
   float* qs = reinterpret_cast<float*>(smem + L.qs);
   const int kb_at = L.table, vb_at = L.table + vq_book_bytes(kp.nb, SUB);
 
-  long long r0, r1;
-  code_rows(a, a.first_pos + k.t, r0, r1);
-  r1 = min(r1, a.n_rows);
-  const long long s0 = r0 + (long long)blockIdx.x * a.split_rows;
-  const long long s1 = max(min(r1, s0 + a.split_rows), s0);
-  const int kbuf = fast_stage_bytes(a.kcb), vbuf = fast_stage_bytes(a.vcb);
-  const int mine = L.stages + warp * ST * (kbuf + vbuf);
-  auto kstage = [&](int s) { return mine + s * kbuf; };
-  auto vstage = [&](int s) { return mine + ST * kbuf + s * vbuf; };
-  const uint8_t* kbase = a.kc + k.b * a.k_bstride + k.kh * a.k_hstride;
-  const uint8_t* vbase = a.vc + k.b * a.v_bstride + k.kh * a.v_hstride;
-  const uint8_t* kend = kbase + a.n_rows * a.kcb;
-  const uint8_t* vend = vbase + a.n_rows * a.vcb;
-  const int nchunks = (int)((s1 - s0 + 15) / 16);
-  const int count = nchunks > warp ? (nchunks - warp + NW - 1) / NW : 0;
-  auto chunk_base = [&](int i) { return s0 + (long long)(warp + i * NW) * 16; };
-  auto issue = [&](int i) {
-    if (i < count) {
-      const long long base = chunk_base(i);
-      const int n = (int)min(16ll, s1 - base);
-      fast_load_rows(smem + kstage(i % ST), kbase, a.kcb, base, n, kend, lane);
-      fast_load_rows(smem + vstage(i % ST), vbase, a.vcb, base, n, vend, lane);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < ST - 1; i++) issue(i);
+  // This block's rows (a split of the query row's code range), the first copies started.
+  const FastChunks<NW> ch(a, L, k);
+  ch.start(smem);
 
   // Codebooks (16 bytes at a time), queries times lambda.
   {
@@ -75,22 +50,7 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
     for (int i = tid; i < 8 * D; i += NT) qs[i] *= sc;
     __syncthreads();
   }
-  if constexpr (!QREG) {
-    uint4* qf = reinterpret_cast<uint4*>(smem + L.qfrag);
-    for (int i = tid; i < KSTEPS * 32; i += NT) qf[i] = fast_qfrag(qs, D, (i % 32) >> 2, i % 4, i / 32);
-    __syncthreads();
-  }
-  uint4 qa[QREG ? KSTEPS : 1];
-  if constexpr (QREG) {
-#pragma unroll
-    for (int j = 0; j < KSTEPS; j++) qa[j] = fast_qfrag(qs, D, g, t4, j);
-  }
-  auto qfrag = [&](int j) -> uint4 {
-    if constexpr (QREG)
-      return qa[j];
-    else
-      return reinterpret_cast<const uint4*>(smem + L.qfrag)[j * 32 + lane];
-  };
+  const FastQueryFrags<D, NT> qfrag(qs, smem, L);
   // Sub-vector s's centroid c in a codec's books (shared, or one book per position).
   auto centroid = [&](int at, int nb, int s, unsigned c) {
     return at + ((nb == 1 ? 0 : s) * 256 + (int)c) * SUB * 2;
@@ -98,19 +58,12 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
 
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) acc[i][e] = 0.f;
+  fast_zero<MT>(acc);
 
-  for (int i = 0; i < count; i++) {
-    issue(i + ST - 1);
-    cp_async_wait<ST - 1>();
-    __syncwarp();
-    const long long base = chunk_base(i);
-    const int n = (int)min(16ll, s1 - base);
-    const int kt = kstage(i % ST) + rows_offset(kbase, a.kcb, base);
-    const int vt = vstage(i % ST) + rows_offset(vbase, a.vcb, base);
+  for (int i = 0; i < ch.count; i++) {
+    int kt, vt;
+    ch.next(smem, i, kt, vt);
+    const int n = ch.rows(i);
     float s[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
@@ -148,11 +101,7 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
         for (int w = 0; w < SUB / 2; w++) vw[u][q * (SUB / 2) + w] = lds32(smem, at + 4 * w);
       }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-      mma_16816(acc[mt], __byte_perm(vw[0][mt], vw[1][mt], 0x5410),
-                __byte_perm(vw[0][mt], vw[1][mt], 0x7632), __byte_perm(vw[2][mt], vw[3][mt], 0x5410),
-                __byte_perm(vw[2][mt], vw[3][mt], 0x7632), pb0, pb1);
+    fast_pv<MT>(acc, vw, pb0, pb1);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();
