@@ -308,7 +308,8 @@ impl VqDev {
         if v.sub != 4 && v.sub != 8 {
             bail!("cuda: vecinfer sub-vectors of 4 or 8, got {}", v.sub)
         }
-        let books16: Vec<half::f16> = v.books.iter().map(|&x| half::f16::from_f32(x)).collect();
+        // Rounded so that each coordinate's errors cancel over a book (fast_geometry.rs).
+        let books16 = crate::fast_geometry::balanced_f16(&v.books, v.sub);
         Ok(Self {
             books: upload(dev, &v.books)?,
             books16: upload(dev, &books16)?,
