@@ -1,6 +1,8 @@
 //! `compressed_attend`'s `metal_fwd` body: one fused decode attention dispatch per call (every
 //! query head and row of a layer, split over the code rows as
-//! [`super::dispatch`] plans it), then `kvq_combine` merging the splits. The kernel is picked by
+//! [`super::dispatch`] plans it), then, only when it split the rows, `kvq_combine` merging the
+//! splits (a second dispatch: Metal orders no memory between threadgroups of one dispatch, so a
+//! last-threadgroup merge like the CUDA kernels' is not available). The kernel is picked by
 //! the codecs' specs: `kvq_attend_scalar` (TurboQuant-MSE and -RVQ), `kvq_attend_prod`
 //! (TurboQuant-Prod), `kvq_attend_qjl` (QJL) and `kvq_attend_vq` (VecInfer).
 
@@ -24,7 +26,7 @@ fn plan_err(e: String) -> candle_core::Error {
 
 /// `compressed_attend` on Metal: q `[nh, t, d]` f32, codes `[kvh, n, cb]` u8, all contiguous;
 /// `[nh, t, d + 2]` partial states as the CPU op returns them. The attention kernel writes one
-/// partial row per split, `kvq_combine` merges them (unnormalized).
+/// partial row per split, `kvq_combine` merges them (unnormalized) when there are several.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_fwd(
     keys: &dyn KeyCodec,
@@ -203,6 +205,14 @@ pub(crate) fn attend_fwd(
         }
         _ => bail!("metal: no fused attention kernel for this key / value pair"),
     };
+    if plan.n_splits == 1 {
+        // One split: its partial rows are already the merged state (the combine would multiply
+        // each by exp(0) = 1 and add nothing), so a call is one dispatch.
+        return Ok((
+            MetalStorage::new(part, dev, nh * t * width, DType::F32),
+            Shape::from((nh, t, width)),
+        ));
+    }
     let out = output(&dev, nh * t * width * 4, "kvq-attend-out")?;
     let cp = CombineParams {
         rows: u32::try_from(nh * t).map_err(|_| range("the row count"))?,

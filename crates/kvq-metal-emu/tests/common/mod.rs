@@ -403,6 +403,18 @@ pub fn emu_attend(
     if out.iter().any(|v| v.is_nan()) {
         return Err("NaN in the combined rows (unwritten?)".into());
     }
+    if plan.n_splits == 1 && normalize == 0 {
+        // The Metal op returns one split's partial rows without the combine (attend_ops.rs):
+        // they must equal its output exactly (as numbers: the combine's fma turns -0 into 0).
+        let part = floats(&part);
+        if let Some(i) = (0..out.len()).find(|&i| out[i] != part[i]) {
+            return Err(format!(
+                "one split: combined slot {i} is {} where the partial row holds {}",
+                out[i], part[i]
+            ));
+        }
+        return Ok((part, plan));
+    }
     Ok((out, plan))
 }
 
