@@ -24,12 +24,12 @@ use std::sync::{Mutex, OnceLock};
 /// Rows of one warp chunk.
 const CHUNK: usize = 16;
 
-/// Whether the fast kernels may run: opt-in (`KVQ_CUDA_FAST=1`) until a parity run of this
-/// version passes on a GPU (docs/benchmarks/gpu-v5.md says what has run); without it the
-/// version-4 kernels and the combine run, as before.
+/// Whether the fast kernels may run: by default (their parity run passed on an H100,
+/// docs/benchmarks/gpu-v5.md); `KVQ_CUDA_FAST=0` runs the version-4 kernels and the combine
+/// instead.
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST").map_or(true, |v| v != "0"))
 }
 
 /// A launch knob the kernels were compiled with (`-D` of the same name; defaults as in fast.cuh).
