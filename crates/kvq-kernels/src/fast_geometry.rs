@@ -186,9 +186,37 @@ pub fn smem(
 
 /// Code splits per (row, kv head) pair, at most `most`: as many as fit one wave of one block per
 /// multiprocessor (each block builds its lookup tables once; a second wave of smaller blocks
-/// would repeat that for a few percent of balance). The exact rows' blocks are short and left out.
+/// would repeat that for a few percent of balance).
 pub fn splits(pairs: usize, sms: usize, most: usize) -> usize {
     (sms / pairs.max(1)).clamp(1, most.max(1))
+}
+
+/// What a block costs besides its chunks, in chunk rounds (one 16-row chunk per warp): its
+/// tables, queries and merge. Nsight Compute on an H100 (llama3-8b, batch 1, mse-4bit): a block
+/// of one round per warp took ~18 us and a round ~2 us; the exact rows' block takes about as long
+/// as a short code block, so blocks past the first wave start that much later.
+pub const BLOCK_ROUNDS: usize = 8;
+
+/// [`splits`] when each pair also has `exact` blocks of fp16 rows in the same launch: the
+/// blocks past one wave start only when the first blocks end (~[`BLOCK_ROUNDS`] rounds), so one
+/// split fewer is taken when that fits the wave and costs fewer rounds. `rows` code rows per
+/// pair, `round_rows` rows per round of a block (warps x 16).
+pub fn splits_with_exact(
+    pairs: usize,
+    sms: usize,
+    most: usize,
+    rows: usize,
+    round_rows: usize,
+    exact: usize,
+) -> usize {
+    let s = splits(pairs, sms, most);
+    let rounds = |s: usize| rows.div_ceil(s.max(1) * round_rows.max(1));
+    let over = |s: usize| pairs * (s + exact) > sms;
+    if s > 1 && over(s) && rounds(s - 1) <= rounds(s) + BLOCK_ROUNDS {
+        s - 1
+    } else {
+        s
+    }
 }
 
 #[cfg(test)]
@@ -214,6 +242,22 @@ mod tests {
         assert!(err(&many, f16_scale(&many)) <= err(&many, 1.0));
         assert_eq!(f16_scale(&[]), 1.0);
         assert_eq!(f16_scale(&[0.0]), 1.0);
+    }
+
+    #[test]
+    fn the_exact_block_stays_in_the_wave_where_that_is_cheaper() {
+        // Llama-3-8B at batch 1, 32k rows, 16 warps: 16 splits + 8 exact blocks overflow 132
+        // SMs by 4; 15 splits cost one round more than 16 (9 against 8): 15.
+        assert_eq!(splits_with_exact(8, 132, 255, 32_700, 256, 1), 15);
+        // Batch 8: 2 splits (192 blocks) against 1 split (128): 128 rounds instead of 64.
+        assert_eq!(splits_with_exact(64, 132, 255, 32_700, 256, 1), 2);
+        // Falcon3 at batch 8 (8 warps): 4 splits, not 3 (86 rounds against 64).
+        assert_eq!(splits_with_exact(32, 132, 255, 32_700, 128, 1), 4);
+        // Short rows: one round either way.
+        assert_eq!(splits_with_exact(64, 132, 255, 4_000, 256, 1), 1);
+        // No exact block, or a wave with room: unchanged.
+        assert_eq!(splits_with_exact(8, 132, 255, 32_700, 256, 0), 16);
+        assert_eq!(splits_with_exact(4, 132, 255, 32_700, 256, 1), 32);
     }
 
     #[test]

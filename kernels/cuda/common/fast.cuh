@@ -90,6 +90,20 @@ __device__ inline uint2 lds64(const uint8_t* smem, unsigned off) {
   return *reinterpret_cast<const uint2*>(smem + off);
 }
 
+// Fills `rows` rows of the per-lane pair tables (256 bytes each: 32 copies of the key entry, then
+// 32 of the value entry) with 16-byte stores, consecutive threads writing consecutive pieces (no
+// bank conflicts): `key(row)` and `value(row)` give a row's two entries (f16 pairs as words).
+// Each thread computes the entries of the 8-piece halves it writes, a few per thread in all.
+template <int NT, class K, class V>
+__device__ inline void fast_pair_tables(uint8_t* smem, int rows, K key, V value) {
+  uint4* tab = reinterpret_cast<uint4*>(smem);
+  for (int i = threadIdx.x; i < rows * 16; i += NT) {
+    const int row = i >> 4;
+    const unsigned e = (i & 8) ? value(row) : key(row);
+    tab[i] = make_uint4(e, e, e, e);
+  }
+}
+
 // Table address of pair `p` (coordinates 2p, 2p+1) of a packed span of `B`-bit codes held in
 // the words `w`: the pair's 2B-bit index times 256, plus `lane_off` (the lane's slot in a row).
 template <int B>

@@ -46,7 +46,10 @@ __device__ inline void sketch_prepare(const SketchParams& p, long long prow, int
 }
 
 // Before the attention: proj[(b, h, t)] = sqrt(pi/2)/m * S_kh q for every query row, once (each
-// attend block would otherwise re-read S, m x D floats, from L2). One block per row.
+// attend block would otherwise re-read S, m x D floats, from L2). Block (x, y): up to 8 query
+// heads of one kv head (x = ((b * T + t) * kvh + kh) * hchunks + hc) and sketch rows
+// 64y .. 64y + 63, so S is read once per kv head; its 256 threads are 64 rows times 4 quarters
+// of the D coordinates, the quarters' sums added in a fixed order.
 struct ProjectArgs {
   const float* q;  // as AttendArgs
   long long q_bstride, q_hstride, q_tstride;
@@ -55,28 +58,59 @@ struct ProjectArgs {
   float* proj;
 };
 
+constexpr int KVQ_PROJECT_THREADS = 256;
+constexpr int KVQ_PROJECT_HEADS = 8;
+
 template <int D>
 __device__ void sketch_project(const ProjectArgs& a) {
-  __shared__ float qs[D];
-  const long long row = blockIdx.x;  // (b*nh + h)*T + t
-  const int t = (int)(row % a.T), h = (int)((row / a.T) % a.nh), b = (int)(row / a.T / a.nh);
-  const float* q = a.q + b * a.q_bstride + h * a.q_hstride + t * a.q_tstride;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = q[i];
+  constexpr int GH = KVQ_PROJECT_HEADS;
+  __shared__ float qs[GH][D];
+  __shared__ float part[4][GH][64];
+  const int kvh = a.nh / a.group, hchunks = (a.group + GH - 1) / GH;
+  int x = blockIdx.x;
+  const int hc = x % hchunks;
+  x /= hchunks;
+  const int kh = x % kvh;
+  x /= kvh;
+  const int t = x % a.T, b = x / a.T;
+  const int h0 = kh * a.group + hc * GH, gn = min(GH, a.group - hc * GH);
+  for (int i = threadIdx.x; i < GH * D; i += KVQ_PROJECT_THREADS) {
+    const int g = i / D, j = i % D;
+    qs[g][j] = g < gn ? a.q[b * a.q_bstride + (h0 + g) * a.q_hstride + t * a.q_tstride + j] : 0.f;
+  }
   __syncthreads();
-  const float* S = a.mats + (long long)(h / a.group) * D * a.m;
-  const float c = QJL_CONST / (float)a.m;
-  for (int i = threadIdx.x; i < a.m; i += blockDim.x) {
-    float x = 0.f;
+  const int i = threadIdx.x & 63, jq = threadIdx.x >> 6, c = blockIdx.y * 64 + i;
+  const float* S = a.mats + (long long)kh * D * a.m;
+  float acc[GH];
+#pragma unroll
+  for (int g = 0; g < GH; g++) acc[g] = 0.f;
+  if (c < a.m) {
 #pragma unroll 8
-    for (int j = 0; j < D; j++) x = fmaf(__ldg(S + (long long)j * a.m + i), qs[j], x);
-    a.proj[row * a.m + i] = x * c;
+    for (int j = jq * (D / 4); j < (jq + 1) * (D / 4); j++) {
+      const float s = __ldg(S + (long long)j * a.m + c);
+#pragma unroll
+      for (int g = 0; g < GH; g++) acc[g] = fmaf(s, qs[g][j], acc[g]);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GH; g++) part[jq][g][i] = acc[g];
+  __syncthreads();
+  const float cst = QJL_CONST / (float)a.m;
+  for (int w = threadIdx.x; w < gn * 64; w += KVQ_PROJECT_THREADS) {
+    const int g = w >> 6, r = w & 63, col = blockIdx.y * 64 + r;
+    if (col < a.m) {
+      const float v = ((part[0][g][r] + part[1][g][r]) + part[2][g][r]) + part[3][g][r];
+      const long long row = ((long long)b * a.nh + h0 + g) * a.T + t;
+      a.proj[row * a.m + col] = v * cst;
+    }
   }
 }
 
 }  // namespace kvq
 
 #define KVQ_SKETCH_PROJECT(D)                                                    \
-  extern "C" __global__ void kvq_sketch_project_d##D(kvq::ProjectArgs a) {       \
+  extern "C" __global__ void __launch_bounds__(kvq::KVQ_PROJECT_THREADS)        \
+      kvq_sketch_project_d##D(kvq::ProjectArgs a) {                             \
     kvq::sketch_project<D>(a);                                                   \
   }
 

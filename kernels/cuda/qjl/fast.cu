@@ -50,11 +50,9 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   fast_load_queries<D, NT>(a, k, qs);
   {
     constexpr int VR = 1 << (2 * VB);
-    unsigned* tab = reinterpret_cast<unsigned*>(smem + L.table);
-    for (int i = tid; i < VR * 64; i += NT) {
-      const int row = i >> 6, slot = i & 63;
-      tab[i] = slot < 32 ? 0u : pack_f2((float)(row & ((1 << VB) - 1)), (float)(row >> VB));
-    }
+    fast_pair_tables<NT>(
+        smem + L.table, VR, [](int) { return 0u; },
+        [](int row) { return pack_f2((float)(row & ((1 << VB) - 1)), (float)(row >> VB)); });
     uint2* sg = reinterpret_cast<uint2*>(smem + L.signs);
     for (int i = tid; i < 16 * 32; i += NT) {
       const unsigned n = i >> 5;
@@ -90,34 +88,46 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     int kt, vt;
     ch.next(smem, i, kt, vt);
     const int n = ch.rows(i);
+    // Both token groups (nt: tokens 0-7, 8-15) per k step, so each projection fragment is read
+    // from shared memory once per chunk (the kernel is bound by shared-memory traffic).
+    float c[2][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int u = 0; u < 2; u++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[nt][u][e] = 0.f;
+    // Sign bits t4*span + 4j .. +3 of the key, four k steps per 16-bit load.
+#pragma unroll 2
+    for (int j4 = 0; j4 < SK / 4; j4++) {
+      unsigned hw[2];
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++) hw[nt] = lds16(smem, kt + (nt * 8 + g) * a.kcb + signs_at + 2 * j4);
+#pragma unroll
+      for (int jj = 0; jj < 4; jj++) {
+        const uint4 pf = sf[(4 * j4 + jj) * 32 + lane];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+          const unsigned addr = (((hw[nt] >> (4 * jj)) & 15u) << 8) | ls;
+          const uint2 bb = lds64(smem, L.signs + addr);
+          mma_16816(c[nt][jj & 1], pf.x, pf.y, pf.z, pf.w, bb.x, bb.y);
+        }
+      }
+    }
     float s[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      const int krow = kt + (nt * 8 + g) * a.kcb;
-      // Sign bits t4*span + 4j .. +3 of the key, four k steps per 16-bit load.
-#pragma unroll 2
-      for (int j4 = 0; j4 < SK / 4; j4++) {
-        const unsigned hw = lds16(smem, krow + signs_at + 2 * j4);
-#pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
-          const unsigned addr = (((hw >> (4 * jj)) & 15u) << 8) | ls;
-          const uint2 bb = lds64(smem, L.signs + addr);
-          const uint4 pf = sf[(4 * j4 + jj) * 32 + lane];
-          mma_16816(jj & 1 ? c1 : c0, pf.x, pf.y, pf.z, pf.w, bb.x, bb.y);
-        }
-      }
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const int tok = nt * 8 + 2 * t4 + e;
         const int row = kt + tok * a.kcb;
-        float sc = ((c0[e] + c1[e]) + (c0[2 + e] + c1[2 + e])) *
+        float sc = ((c[nt][0][e] + c[nt][1][e]) + (c[nt][0][2 + e] + c[nt][1][2 + e])) *
                    __half2float(__ushort_as_half((unsigned short)lds16(smem, row)));
         for (int o = 0; o < O; o++) {
-          const int c = smem[row + out_at + o];
+          const int ch_ = smem[row + out_at + o];
           const float v =
               __half2float(__ushort_as_half((unsigned short)lds16(smem, row + out_at + O + 2 * o)));
-          if (c < D) sc = fmaf(qs[g * D + c], v, sc);
+          if (ch_ < D) sc = fmaf(qs[g * D + ch_], v, sc);
         }
         s[nt][e] = tok < n ? sc * a.scale : -INFINITY;
       }

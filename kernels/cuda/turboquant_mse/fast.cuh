@@ -66,19 +66,18 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     // entry: (level[i & mask], level[i >> B]) * lev as f16.
     constexpr int KR = 1 << (2 * KB), VR = 1 << (2 * VB);
     constexpr int R = KR > VR ? KR : VR;
-    unsigned* tab = reinterpret_cast<unsigned*>(smem + L.table);
-    for (int i = tid; i < R * 64; i += NT) {
-      const int row = i >> 6, slot = i & 63;
-      unsigned e = 0;
-      if (slot < 32 && row < KR) {
-        const float lo = kp.levels[row & ((1 << KB) - 1)], hi = kp.levels[row >> KB];
-        e = pack_f2(lo * kp.lev, hi * kp.lev);
-      } else if (slot >= 32 && row < VR) {
-        const float lo = vp.levels[row & ((1 << VB) - 1)], hi = vp.levels[row >> VB];
-        e = pack_f2(lo * vp.lev, hi * vp.lev);
-      }
-      tab[i] = e;
-    }
+    fast_pair_tables<NT>(
+        smem + L.table, R,
+        [&](int row) {
+          return row < KR ? pack_f2(kp.levels[row & ((1 << KB) - 1)] * kp.lev,
+                                    kp.levels[row >> KB] * kp.lev)
+                          : 0u;
+        },
+        [&](int row) {
+          return row < VR ? pack_f2(vp.levels[row & ((1 << VB) - 1)] * vp.lev,
+                                    vp.levels[row >> VB] * vp.lev)
+                          : 0u;
+        });
     if constexpr (SKETCH) {
       // Sign nibbles: bits 0, 1 -> the first pair, bits 2, 3 -> the second (+1 set, -1 clear).
       uint2* sg = reinterpret_cast<uint2*>(smem + L.signs);

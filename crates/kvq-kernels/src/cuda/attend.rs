@@ -406,9 +406,13 @@ pub(super) fn project(
     };
     let name = format!("kvq_sketch_project_d{}", l.d);
     let f = function(dev, module, &name)?;
+    // One block per (sequence, query row, kv head, up to 8 of its query heads) and 64 sketch
+    // rows (common/sketch.cuh).
+    let group = l.n_heads / l.n_kv_heads;
+    let head_blocks = l.batch * l.t * l.n_kv_heads * group.div_ceil(8);
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (128, 1, 1),
+        grid_dim: (head_blocks as u32, m.div_ceil(64) as u32, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = stream.launch_builder(&f);

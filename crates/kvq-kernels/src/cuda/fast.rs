@@ -14,7 +14,7 @@ use super::{
     AttendArgs, FastArgs, KeyArgs, ValueArgs, address, check_launch, drv, function_smem, poison,
     sm_count,
 };
-use crate::fast_geometry::{MAX_SLOTS, MAX_SMEM, Tables, smem, splits};
+use crate::fast_geometry::{MAX_SLOTS, MAX_SMEM, Tables, smem, splits_with_exact};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::{Result, bail};
@@ -226,10 +226,13 @@ pub(super) fn launch(
     let sms = sm_count(stream.context());
     let pairs = (l.batch * l.t * l.n_kv_heads * pl.hchunks).max(1);
     let exact = usize::from(extras.rows() > 0);
-    let want = splits(
+    let want = splits_with_exact(
         pairs,
         sms,
         rows.div_ceil(pl.nw * CHUNK).clamp(1, MAX_SLOTS - 1),
+        rows,
+        pl.nw * CHUNK,
+        exact,
     );
     let split_rows = rows.div_ceil(want).div_ceil(CHUNK).max(1) * CHUNK;
     let n_splits = rows.div_ceil(split_rows).max(1);
