@@ -212,6 +212,14 @@ fn decode_params(n: usize, d: usize) -> AttendParams {
     }
 }
 
+/// The log-sum-exp's bound, relative (see `attend_check`). It is a check of the partial state
+/// besides the output's bound, looser than it: the version-5 kernels score from f16 operands
+/// (levels' tables, VecInfer's codebooks), and with one position the lse is one logit, whose f16
+/// rounding error does not average out. H100 runs gave up to 2.3e-4 for TurboQuant, and for
+/// VecInfer at one position 9.6e-4 (this relative form) and 1.1e-3 (an earlier, absolute form);
+/// the outputs of those cases stayed under 2.8e-4.
+const LSE_BOUND: f64 = 2e-3;
+
 fn report(rows: &[(String, f64, f64)], bound: f64) {
     eprintln!(
         "{:<44} {:>12} {:>12}",
@@ -222,7 +230,7 @@ fn report(rows: &[(String, f64, f64)], bound: f64) {
     }
     let bad: Vec<_> = rows
         .iter()
-        .filter(|(_, e, l)| !(*e < bound && *l < 1e-3))
+        .filter(|(_, e, l)| !(*e < bound && *l < LSE_BOUND))
         .collect();
     assert!(bad.is_empty(), "over the bound {bound}: {bad:?}");
 }
