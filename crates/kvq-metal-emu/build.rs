@@ -142,6 +142,16 @@ const MUTANTS: &[Mutant] = &[
         )],
     ),
     (
+        // VecInfer's table: the barrier between the table's writes and the scores that read
+        // it, removed.
+        "vq_lut_no_barrier",
+        ATTEND_CODES,
+        &[(
+            "65535.0f));\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+            "65535.0f));\n    }\n",
+        )],
+    ),
+    (
         // VecInfer encode: the barrier between the scaled rotation's writes and the sub-vectors'
         // reads, removed.
         "vq_no_barrier",

@@ -170,7 +170,12 @@ fn decode(n: usize, d: usize) -> AttendParams {
 
 type Row = (String, f64, f64, f64);
 
-fn report(title: &str, rows: &[Row], bound: f64) {
+/// The bound of VecInfer's fused attention from 512 positions on, where it scores keys from a
+/// 16-bit table (`kvq_attend_vq_lut`; 6.3e-5 at most on the emulator's shapes at the usual
+/// softmax scale, 7.1e-4 at softmax scale 4).
+const TABLE_BOUND: f64 = 1e-3;
+
+fn report(title: &str, rows: &[Row], bound: impl Fn(&str) -> f64) {
     eprintln!("\n{title}");
     eprintln!(
         "{:<48} {:>11} {:>11} {:>9}",
@@ -181,9 +186,9 @@ fn report(title: &str, rows: &[Row], bound: f64) {
     }
     let bad: Vec<_> = rows
         .iter()
-        .filter(|(_, e, l, _)| !(*e < bound && *l < 1e-2))
+        .filter(|(name, e, l, _)| !(*e < bound(name) && *l < 1e-2))
         .collect();
-    assert!(bad.is_empty(), "over the bound {bound}: {bad:?}");
+    assert!(bad.is_empty(), "over the bound: {bad:?}");
 }
 
 /// The fused attention and combine on codes the CPU wrote: decode over 1, 300 and 5000 rows,
@@ -224,7 +229,11 @@ fn attend_matches_the_cpu_op() {
     report(
         "fused attention (kvq_attend_* + kvq_combine) vs the CPU op",
         &rows,
-        1e-4,
+        // VecInfer over 5000 rows takes the table kernel.
+        |name| match name.starts_with("vecinfer") && name.contains(" n5000 ") {
+            true => TABLE_BOUND,
+            false => 1e-4,
+        },
     );
 }
 
@@ -269,7 +278,7 @@ fn encode_matches_the_cpu_codec() {
     report(
         "encode (kvq_encode_*) vs the CPU codec, through attention",
         &rows,
-        2e-2,
+        |_| 2e-2,
     );
 }
 
@@ -352,6 +361,6 @@ fn every_method_as_a_cache() {
     report(
         "every method as a cache (prompt 700 + 8 decode steps), worst step",
         &rows,
-        5e-2,
+        |_| 5e-2,
     );
 }

@@ -74,6 +74,10 @@ namespace kvq_vq_no_barrier {
 #include KVQ_MUTANT_VQ_NO_BARRIER
 }  // namespace kvq_vq_no_barrier
 
+namespace kvq_vq_lut_no_barrier {
+#include KVQ_MUTANT_VQ_LUT_NO_BARRIER
+}  // namespace kvq_vq_lut_no_barrier
+
 namespace {
 
 struct Entry {
@@ -193,6 +197,21 @@ Entry attend_ten(F fn) {
           }};
 }
 
+// kvq_attend_vq_lut: q, key codes, value codes, six arrays, the partial rows, the parameters.
+template <class Params, class F>
+Entry attend_eleven(F fn) {
+  return {11, [fn](B b) {
+            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
+               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
+               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
+               static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
+               static_cast<const float*>(b[8]), static_cast<float*>(b[9]),
+               *static_cast<const Params*>(b[10]), bi().thread_position_in_threadgroup.x,
+               bi().threadgroup_position_in_grid.x, bi().thread_index_in_simdgroup,
+               bi().simdgroup_index_in_threadgroup);
+          }};
+}
+
 template <class Params, class F>
 Entry combine(F fn) {
   return {3, [fn](B b) {
@@ -240,6 +259,20 @@ const std::map<std::string, Entry>& table() {
       {"kvq_encode_vq", encode_vq<kvq_real::VqEncodeParams>(kvq_real::kvq_encode_vq)},
       {"kvq_attend_prod", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_prod)},
       {"kvq_attend_vq", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq)},
+      {"kvq_attend_vq_lut",
+       attend_eleven<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq_lut)},
+      {"vq_lut_no_barrier/kvq_attend_vq_lut",
+       attend_eleven<kvq_vq_lut_no_barrier::ScalarAttendParams>(
+           kvq_vq_lut_no_barrier::kvq_attend_vq_lut)},
+      {"attend_no_barrier/kvq_attend_vq_lut",
+       attend_eleven<kvq_attend_no_barrier::ScalarAttendParams>(
+           kvq_attend_no_barrier::kvq_attend_vq_lut)},
+      {"attend_no_score_barrier/kvq_attend_vq_lut",
+       attend_eleven<kvq_attend_no_score_barrier::ScalarAttendParams>(
+           kvq_attend_no_score_barrier::kvq_attend_vq_lut)},
+      {"attend_split_overlap/kvq_attend_vq_lut",
+       attend_eleven<kvq_attend_split_overlap::ScalarAttendParams>(
+           kvq_attend_split_overlap::kvq_attend_vq_lut)},
       {"combine_no_barrier/kvq_combine",
        combine<kvq_combine_no_barrier::CombineParams>(kvq_combine_no_barrier::kvq_combine)},
       // The shared helpers' mistakes reach the kernels built on them.

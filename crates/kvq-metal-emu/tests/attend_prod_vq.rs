@@ -1,7 +1,7 @@
 //! The emulated fused decode attention of TurboQuant-Prod (kernels/metal/turboquant_prod/
 //! attend.metal: the scalar stage plus the residual's sign sketch) and of VecInfer
-//! (kernels/metal/vecinfer/attend.metal: centroids gathered from the codebooks) against the CPU
-//! op on the same codes, under every lane order, outputs poisoned (the harness is tests/common):
+//! (kernels/metal/vecinfer/attend.metal: centroids gathered from the codebooks, and keys scored
+//! from a per-query table of 16-bit entries) against the CPU op on the same codes, under every lane order, outputs poisoned (the harness is tests/common):
 //! head dims 64, 128 and 256, GQA groups 1 to 6, decode over 1 to 3000 positions (up to twelve
 //! splits), a prefill, sinks, the fp16 window and a rolled sliding window. Both kernels are
 //! turboquant_mse/attend.metal's `attend_codes` body: the attention's negative controls
@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::{Case, assert_caught_at, check, decode_params, inputs, prod, vq};
+use common::{
+    Case, TABLE_BOUND, VQ_TABLE, assert_caught_at, check, decode_params, errors, inputs, prod, vq,
+};
 use kvq_kernels::AttendParams;
 use kvq_metal_emu::ORDERS;
 
@@ -123,5 +125,115 @@ fn the_attention_bodys_mistakes_are_caught_in_prod_and_vq() {
             };
             assert_caught_at(&c, p, real, &format!("{mutant}/{real}"), "kvq_combine");
         }
+    }
+}
+
+/// VecInfer's table kernel at every head dim and sub-vector length whose table fits (head dim
+/// 256 only at sub-vectors of 8), codebooks shared and per sub-position, GQA groups 1, 3 and 4
+/// (one or two query heads a threadgroup, a last chunk of one), over 600 and 3000 positions.
+/// The largest error is printed: it is the table's rounding, far under [`TABLE_BOUND`].
+#[test]
+fn vq_table_attend_equals_the_cpu_op() {
+    let mut seed = 8000;
+    let mut worst: f64 = 0.0;
+    let shapes = [
+        (64, 4, false),
+        (64, 8, true),
+        (128, 4, false),
+        (128, 8, true),
+        (256, 8, false),
+    ];
+    for (d, sub, per_position) in shapes {
+        let c = vq(d, sub, per_position);
+        for group in [1, 3, 4] {
+            for n in [600, 3000] {
+                seed += 1;
+                let x = inputs(&c, d, group, n, 1, decode_params(n, d), seed);
+                for order in ORDERS {
+                    let (e, dl, plan) = errors(&c, &x, VQ_TABLE, "kvq_combine", order)
+                        .unwrap_or_else(|e| panic!("{} d {d} g {group} n {n}: {e}", c.name));
+                    assert!(
+                        e < TABLE_BOUND && dl < TABLE_BOUND,
+                        "{} d {d} g {group} n {n} {order:?}: rel L2 {e:.3e}, |dlse| {dl:.3e} \
+                         ({} splits)",
+                        c.name,
+                        plan.n_splits
+                    );
+                    worst = worst.max(e).max(dl);
+                }
+            }
+        }
+    }
+    eprintln!("kvq_attend_vq_lut: largest error {worst:.3e} (bound {TABLE_BOUND:.0e})");
+}
+
+/// The table kernel over a prefill of five rows, a rolled sliding window with sinks and the
+/// fp16 window, and logits far from zero (softmax scale 4, where the table's rounding is
+/// multiplied by 32 against the usual 1/8).
+#[test]
+fn vq_table_ranges_and_large_logits_equal_the_cpu_op() {
+    let pos = 3000;
+    let rolled = AttendParams {
+        scale: 0.125,
+        first_pos: pos,
+        window: 64,
+        sinks: 4,
+        sliding_window: Some(1024),
+        code_first: pos + 1 - 1024,
+        exact_before: 16,
+    };
+    let prefill = AttendParams {
+        first_pos: 700 - 4,
+        ..decode_params(700, 64)
+    };
+    let large = AttendParams {
+        scale: 4.0,
+        ..decode_params(3000, 64)
+    };
+    let shapes = [
+        ("rolled sliding", 3, 1024, 1, rolled),
+        ("prefill t5", 2, 700, 5, prefill),
+        ("scale 4", 4, 3000, 1, large),
+    ];
+    for c in [vq(64, 4, true), vq(64, 8, false)] {
+        for (i, (name, group, n, t, p)) in shapes.into_iter().enumerate() {
+            let x = inputs(&c, 64, group, n, t, p, 900 + i as u64);
+            let mut worst: f64 = 0.0;
+            for order in ORDERS {
+                check(&c, &x, VQ_TABLE, "kvq_combine", order)
+                    .unwrap_or_else(|e| panic!("{} {name} {order:?}: {e}", c.name));
+                let (e, dl, _) = errors(&c, &x, VQ_TABLE, "kvq_combine", order).unwrap();
+                worst = worst.max(e).max(dl);
+            }
+            eprintln!(
+                "kvq_attend_vq_lut {} {name}: largest error {worst:.3e}",
+                c.name
+            );
+        }
+    }
+}
+
+/// The attention body's negative controls through the table kernel, and the table's own: the
+/// barrier between its writes and the scores that read it, removed.
+#[test]
+fn the_table_kernels_mistakes_are_caught() {
+    let c = vq(64, 4, false);
+    for (mutant, scale) in [
+        ("vq_lut_no_barrier", 0.125),
+        ("attend_no_barrier", 0.125),
+        ("attend_no_score_barrier", 4.0),
+        ("attend_split_overlap", 0.125),
+    ] {
+        let p = AttendParams {
+            scale,
+            ..decode_params(3000, 64)
+        };
+        assert_caught_at(
+            &c,
+            p,
+            VQ_TABLE,
+            &format!("{mutant}/{VQ_TABLE}"),
+            "kvq_combine",
+        );
     }
 }

@@ -1,8 +1,9 @@
 // Fused decode attention over code rows (the Metal twin of kernels/cuda/turboquant_mse/attend.cu
 // with kernels/cuda/common/attend.cuh's skeleton), written once as `attend_codes<KIND>` for the
-// three code layouts: KVQ_SCALAR (TurboQuant-MSE and -RVQ, kvq_attend_scalar below),
-// KVQ_PROD (TurboQuant-Prod's scalar stage plus residual sketch, kernels/metal/turboquant_prod)
-// and KVQ_VQ (VecInfer, kernels/metal/vecinfer), whose files are compiled after this one. One
+// code layouts: KVQ_SCALAR (TurboQuant-MSE and -RVQ, kvq_attend_scalar below), KVQ_PROD
+// (TurboQuant-Prod's scalar stage plus residual sketch, kernels/metal/turboquant_prod), and
+// KVQ_VQ / KVQ_VQ_LUT (VecInfer, centroids gathered or a per-query table of 16-bit scores,
+// kernels/metal/vecinfer), whose files are compiled after this one. One
 // threadgroup of 128 threads per (split of the code rows, kv head and chunk of its query heads,
 // query row). Code rows are an f16 norm then d indices of `bits` bits packed LSB first (kvq-kernels
 // spec.rs ScalarSpec). Keys are scored against the query rotated once per threadgroup and scaled
@@ -22,6 +23,11 @@ using namespace metal;
 #define KVQ_SCALAR 0
 #define KVQ_PROD 1
 #define KVQ_VQ 2
+#define KVQ_VQ_LUT 3
+
+#define KVQ_LUT_GB 2          // most query heads of a KVQ_VQ_LUT threadgroup
+#define KVQ_LUT_ENTRIES 8192  // its table: [gb][d / ksub][256] ushorts, 16 KiB
+#define KVQ_LUT_MAX_SP 64     // most sub-positions (d / ksub)
 
 // The parameters of all three layouts (the fields of the others are zero).
 struct ScalarAttendParams {
@@ -112,23 +118,30 @@ inline void butterflies(TG rows, uint gb, uint d, uint tid) {
 //   KVQ_SCALAR: ka = key levels, kb = key signs, kx unused, va = value levels, vb = value signs;
 //   KVQ_PROD:   the same, kx = the sketch matrices transposed [kvh][d][m];
 //   KVQ_VQ:     ka = key codebooks [kbooks][256][ksub], kb = key signs, kx = smoothing factors
-//               [kvh][d], va = value codebooks, vb = value signs.
+//               [kvh][d], va = value codebooks, vb = value signs;
+//   KVQ_VQ_LUT: the same, kn = each key codebook's largest centroid norm [kbooks].
 // The threadgroup arrays are the kernel's (MSL declares them in kernel scope): qs [GB][MAX_D],
-// sq [GB][MAX_D] (KVQ_PROD), klv / vlv [64], sc [GB][THREADS], the softmax states [GB] and
-// red [GB][8 * THREADS].
-template <uint KIND, class TG>
+// sq [GB][MAX_D] (KVQ_PROD; KVQ_VQ_LUT: the table's steps and bounds, [2][LUT_GB][LUT_MAX_SP]
+// then the offsets [LUT_GB]), klv / vlv [64], sc [GB][THREADS], the softmax states [GB], red
+// [GB][8 * THREADS] and lut [LUT_ENTRIES] (KVQ_VQ_LUT; the other kinds pass an array they never
+// index through it). KVQ_VQ_LUT's arrays hold LUT_GB heads, not GB.
+template <uint KIND, class TG, class TGU>
 inline void attend_codes(device const float* q, device const uchar* kc, device const uchar* vc,
                          device const float* ka, device const float* kb, device const float* kx,
-                         device const float* va, device const float* vb, device float* part,
-                         constant ScalarAttendParams& p, TG qs, TG sq, TG klv, TG vlv, TG sc,
-                         TG mstate, TG lstate, TG alpha, TG red, uint tid, uint tg, uint lane,
-                         uint sg) {
+                         device const float* kn, device const float* va, device const float* vb,
+                         device float* part, constant ScalarAttendParams& p, TG qs, TG sq, TG klv,
+                         TG vlv, TG sc, TG mstate, TG lstate, TG alpha, TG red, TGU lut, uint tid,
+                         uint tg, uint lane, uint sg) {
   const uint d = p.d;
   const uint per_t = p.kvh * p.hchunks * p.n_splits;
   // Shapes past the threadgroup arrays write nothing (the host's plan never makes them).
   if (tg >= per_t * p.t || d > KVQ_ATTEND_MAX_D || p.gb > KVQ_ATTEND_GB) return;
   if (KIND == KVQ_PROD && (p.m > KVQ_ATTEND_MAX_D || p.m % 8 != 0)) return;
-  if (KIND == KVQ_VQ && (p.ksub == 0 || p.vsub == 0 || d % p.ksub != 0 || d % p.vsub != 0)) return;
+  const bool vq = KIND == KVQ_VQ || KIND == KVQ_VQ_LUT;
+  if (vq && (p.ksub == 0 || p.vsub == 0 || d % p.ksub != 0 || d % p.vsub != 0)) return;
+  if (KIND == KVQ_VQ_LUT && (p.gb > KVQ_LUT_GB || d / p.ksub > KVQ_LUT_MAX_SP ||
+                             p.gb * (d / p.ksub) * 256 > KVQ_LUT_ENTRIES))
+    return;
   const uint t = tg / per_t;
   const uint y = (tg % per_t) / p.n_splits;
   const uint split = tg % p.n_splits;
@@ -156,10 +169,10 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
   device const float* ks = kb + kh * d;
   for (uint i = tid; i < gb * d; i += KVQ_ATTEND_THREADS) {
     const uint g = i / d, c = i % d;
-    const float lam = KIND == KVQ_VQ ? kx[kh * d + c] : 1.0f;
+    const float lam = vq ? kx[kh * d + c] : 1.0f;
     qs[i] = q[((h0 + g) * p.t + t) * d + c] * lam * ks[c];
   }
-  if (KIND != KVQ_VQ) {
+  if (!vq) {
     if (tid < (1u << p.kbits)) klv[tid] = ka[tid];
     if (tid < (1u << p.vbits)) vlv[tid] = va[tid] * p.vsigma;
   }
@@ -183,9 +196,45 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   butterflies(qs, gb, d, tid);
-  const float post = rsqrt(float(d)) * (KIND == KVQ_VQ ? 1.0f : p.ksigma);
+  const float post = rsqrt(float(d)) * (vq ? 1.0f : p.ksigma);
   for (uint i = tid; i < gb * d; i += KVQ_ATTEND_THREADS) qs[i] *= post;
   threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // KVQ_VQ_LUT: the query's table. Entry (g, sp, c) is L = qs_g[sp] . centroid c of sp's book,
+  // stored as 16-bit fixed point over [-B, B], B = |qs_g[sp]| * the book's largest centroid norm
+  // (Cauchy-Schwarz bounds every L by it): L = u * step - B, step = 2 B / 65535, so a key's
+  // score is sum_sp u * step - sum_sp B, within sum_sp step / 2 of the exact one.
+  const uint nsp = vq ? d / p.ksub : 0u;
+  if (KIND == KVQ_VQ_LUT) {
+    const uint bounds = KVQ_LUT_GB * KVQ_LUT_MAX_SP;
+    for (uint i = tid; i < gb * nsp; i += KVQ_ATTEND_THREADS) {
+      const uint g = i / nsp, sp = i % nsp;
+      float qq = 0.0f;
+      for (uint k = 0; k < p.ksub; k++) {
+        const float x = qs[g * d + sp * p.ksub + k];
+        qq = fma(x, x, qq);
+      }
+      const float b = sqrt(qq) * kn[p.kbooks == 1 ? 0u : sp];
+      sq[i] = b * (2.0f / 65535.0f);
+      sq[bounds + i] = b;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < gb) {
+      float off = 0.0f;
+      for (uint sp = 0; sp < nsp; sp++) off += sq[bounds + tid * nsp + sp];
+      sq[2 * bounds + tid] = off;
+    }
+    for (uint i = tid; i < gb * nsp * 256; i += KVQ_ATTEND_THREADS) {
+      const uint g = i / (nsp * 256), sp = (i / 256) % nsp, c = i % 256;
+      device const float* cen = ka + (ulong(p.kbooks == 1 ? 0u : sp) * 256 + c) * p.ksub;
+      float l = 0.0f;
+      for (uint k = 0; k < p.ksub; k++) l = fma(qs[g * d + sp * p.ksub + k], cen[k], l);
+      const float step = sq[g * nsp + sp];
+      const float u = step > 0.0f ? rint((l + sq[bounds + g * nsp + sp]) / step) : 0.0f;
+      lut[i] = ushort(clamp(u, 0.0f, 65535.0f));
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
 
   // Value accumulation: d / 8 coordinate groups, the threads' other index a token lane.
   const uint cgs = d / 8;
@@ -205,7 +254,15 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
       device const uchar* row = kbase + ulong(base + tid) * p.kcb;
       float s[KVQ_ATTEND_GB];
       for (uint g = 0; g < KVQ_ATTEND_GB; g++) s[g] = 0.0f;
-      if (KIND == KVQ_VQ) {
+      if (KIND == KVQ_VQ_LUT) {
+        // sum over sub-positions of the table's entry for the row's index there.
+        for (uint sp = 0; sp < nsp; sp++) {
+          const uint c = row[sp];
+          for (uint g = 0; g < gb; g++)
+            s[g] = fma(float(lut[(g * nsp + sp) * 256 + c]), sq[g * nsp + sp], s[g]);
+        }
+        for (uint g = 0; g < gb; g++) s[g] -= sq[2 * KVQ_LUT_GB * KVQ_LUT_MAX_SP + g];
+      } else if (KIND == KVQ_VQ) {
         // sum over sub-positions of the rotated query's slice . the row's centroid there.
         for (uint sp = 0; sp < d / p.ksub; sp++) {
           const uint book = p.kbooks == 1 ? 0u : sp;
@@ -276,7 +333,7 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
     for (uint i = tl; i < n; i += lanes) {
       device const uchar* row = vbase + ulong(base + i) * p.vcb;
       float x[8];
-      if (KIND == KVQ_VQ) {
+      if (vq) {
         // The thread's 8 coordinates: two sub-vectors of 4 or one of 8.
         for (uint j = 0; j < 8; j++) {
           const uint c = cg * 8 + j, sp = c / p.vsub;
@@ -342,6 +399,7 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
                               uint lane [[thread_index_in_simdgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]]) {
   KVQ_ATTEND_ARRAYS;
-  attend_codes<KVQ_SCALAR>(q, kc, vc, klevels, ksigns, klevels, vlevels, vsigns, part, p, qs, qs,
-                           klv, vlv, sc, mstate, lstate, alpha, red, tid, tg, lane, sg);
+  // (klevels stands in for the arrays this kind never reads, sc for the table.)
+  attend_codes<KVQ_SCALAR>(q, kc, vc, klevels, ksigns, klevels, klevels, vlevels, vsigns, part, p,
+                           qs, qs, klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg, lane, sg);
 }

@@ -21,6 +21,7 @@ kernel void kvq_attend_prod(device const float* q [[buffer(0)]],
                             uint sg [[simdgroup_index_in_threadgroup]]) {
   KVQ_ATTEND_ARRAYS;
   threadgroup float sq[KVQ_ATTEND_GB * KVQ_ATTEND_MAX_D];  // sqrt(pi/2)/m S q, [gb][m]
-  attend_codes<KVQ_PROD>(q, kc, vc, klevels, ksigns, mats, vlevels, vsigns, part, p, qs, sq, klv,
-                         vlv, sc, mstate, lstate, alpha, red, tid, tg, lane, sg);
+  // (mats stands in for the codebook norms this kind never reads, sc for the table.)
+  attend_codes<KVQ_PROD>(q, kc, vc, klevels, ksigns, mats, mats, vlevels, vsigns, part, p, qs, sq,
+                         klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg, lane, sg);
 }

@@ -4,7 +4,9 @@
 //! splits (a second dispatch: Metal orders no memory between threadgroups of one dispatch, so a
 //! last-threadgroup merge like the CUDA kernels' is not available). The kernel is picked by
 //! the codecs' specs: `kvq_attend_scalar` (TurboQuant-MSE and -RVQ), `kvq_attend_prod`
-//! (TurboQuant-Prod), `kvq_attend_qjl` (QJL) and `kvq_attend_vq` (VecInfer).
+//! (TurboQuant-Prod), `kvq_attend_qjl` (QJL) and, for VecInfer, `kvq_attend_vq_lut` (a per-query
+//! table of scores) where [`dispatch::attend_vq_table`] plans it, else `kvq_attend_vq`
+//! (centroids gathered).
 
 use super::backend::{Arg, KeyBufs, ValueBufs, encode, key_bufs, output, value_bufs};
 use super::dispatch::{self, AttendPlan};
@@ -175,32 +177,37 @@ pub(crate) fn attend_fwd(
             KeyBufs::ProductVq(kx),
             ValueBufs::ProductVq(vx),
         ) => {
-            let Some(lambda) = &kx.lambda else {
+            let (Some(lambda), Some(norms)) = (&kx.lambda, &kx.norms) else {
                 bail!("metal: attend: VecInfer keys without smoothing factors")
             };
-            let plan = dispatch::attend_vq(nh, kvh, t, d, max_rows).map_err(plan_err)?;
+            let table =
+                dispatch::attend_vq_table(nh, kvh, t, d, ks.sub, max_rows).map_err(plan_err)?;
+            let plan = match table {
+                Some(plan) => plan,
+                None => dispatch::attend_vq(nh, kvh, t, d, max_rows).map_err(plan_err)?,
+            };
             let prm = ScalarAttendParams::vq(&plan, &p, n, d, ks, vs)
                 .ok_or_else(|| range("a position or the codebooks"))?;
             widths(prm.kcb, prm.vcb)?;
             let part = part_of(&plan)?;
-            encode(
-                &dev,
-                "vecinfer/attend",
-                "kvq_attend_vq",
-                plan.attend,
-                &[
-                    qa,
-                    ka,
-                    va,
-                    Arg::In(&kx.books, 0),
-                    Arg::In(&kx.signs, 0),
-                    Arg::In(lambda, 0),
+            let (head, tail) = (
+                [qa, ka, va, Arg::In(&kx.books, 0), Arg::In(&kx.signs, 0)],
+                [
                     Arg::In(&vx.books, 0),
                     Arg::In(&vx.signs, 0),
                     Arg::Out(&part, 0),
                     Arg::Bytes(prm.as_bytes()),
                 ],
-            )?;
+            );
+            let (name, mid) = match table {
+                Some(_) => (
+                    "kvq_attend_vq_lut",
+                    vec![Arg::In(lambda, 0), Arg::In(norms, 0)],
+                ),
+                None => ("kvq_attend_vq", vec![Arg::In(lambda, 0)]),
+            };
+            let args: Vec<Arg<'_>> = head.into_iter().chain(mid).chain(tail).collect();
+            encode(&dev, "vecinfer/attend", name, plan.attend, &args)?;
             (plan, part)
         }
         _ => bail!("metal: no fused attention kernel for this key / value pair"),

@@ -58,6 +58,7 @@ pub const SOURCES: [(&str, &str); 9] = [
         include_str!("../../../../kernels/metal/qjl/attend.metal"),
     ),
     (
+        // kvq_attend_vq and kvq_attend_vq_lut.
         "vecinfer/attend",
         concat!(
             include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
@@ -232,6 +233,9 @@ pub struct VqBufs {
     pub signs: Arc<Buffer>,
     /// Keys: the smoothing factors `[heads][d]`; values have none.
     pub lambda: Option<Arc<Buffer>>,
+    /// Keys: each codebook's largest centroid norm (`params::vq_book_norms`), the scale of
+    /// `kvq_attend_vq_lut`'s table; values have none.
+    pub norms: Option<Arc<Buffer>>,
 }
 
 impl VqBufs {
@@ -242,6 +246,10 @@ impl VqBufs {
             lambda: match s.lambda.is_empty() {
                 true => None,
                 false => Some(upload(dev, &s.lambda)?),
+            },
+            norms: match s.lambda.is_empty() {
+                true => None,
+                false => Some(upload(dev, &super::params::vq_book_norms(s))?),
             },
         })
     }

@@ -181,7 +181,7 @@ pub fn attend_prod(
 
 /// `kvq_attend_vq` (kernels/metal/vecinfer/attend.metal) and `kvq_combine`: both `Dispatch`es
 /// feed `dispatchThreadgroups` (candle's `dispatch_thread_groups`), the attention first; the
-/// geometry of [`attend_scalar`].
+/// geometry of [`attend_scalar`]. The kernel for the shapes [`attend_vq_table`] declines.
 pub fn attend_vq(
     n_heads: usize,
     n_kv_heads: usize,
@@ -192,12 +192,71 @@ pub fn attend_vq(
     attend_plan(n_heads, n_kv_heads, t, d, max_rows)
 }
 
+/// Most query heads one `kvq_attend_vq_lut` threadgroup serves (`KVQ_LUT_GB`).
+pub const VQ_LUT_HEADS: usize = 2;
+/// Entries of that threadgroup's key table, 16 bits each (`KVQ_LUT_ENTRIES`: 16 KiB).
+pub const VQ_LUT_ENTRIES: usize = 8192;
+/// Fewest code rows for which the table kernel is picked, and the fewest a split of it takes:
+/// building the table costs 256 x d multiply-adds per query head, what gathering centroids
+/// costs for 256 rows, and a row then takes d / sub table loads instead of d multiply-adds.
+pub const VQ_LUT_MIN_ROWS: usize = 512;
+
+/// `kvq_attend_vq_lut` (kernels/metal/vecinfer/attend.metal) and `kvq_combine`, for key
+/// sub-vectors of `ksub`: both `Dispatch`es feed `dispatchThreadgroups` (candle's
+/// `dispatch_thread_groups`), the attention first. `Ok(None)` where [`attend_vq`]'s gather is
+/// the kernel: the table of one query head (`d / ksub x 256` entries) does not fit
+/// [`VQ_LUT_ENTRIES`] (head dim 256 at sub-vectors of 4), or the rows are fewer than
+/// [`VQ_LUT_MIN_ROWS`]. Otherwise the geometry of [`attend_scalar`] with as many query heads a
+/// threadgroup as their tables fit (at most [`VQ_LUT_HEADS`]) and splits of at least
+/// [`VQ_LUT_MIN_ROWS`] rows.
+pub fn attend_vq_table(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    ksub: usize,
+    max_rows: usize,
+) -> Result<Option<AttendPlan>, String> {
+    if ksub == 0 || !d.is_multiple_of(ksub) {
+        return Err(format!(
+            "metal attend: sub-vectors of {ksub} at head dim {d}"
+        ));
+    }
+    let heads = (VQ_LUT_ENTRIES / (d / ksub * 256)).min(VQ_LUT_HEADS);
+    if heads == 0 || max_rows < VQ_LUT_MIN_ROWS {
+        return Ok(None);
+    }
+    plan_within(n_heads, n_kv_heads, t, d, max_rows, heads, VQ_LUT_MIN_ROWS).map(Some)
+}
+
 fn attend_plan(
     n_heads: usize,
     n_kv_heads: usize,
     t: usize,
     d: usize,
     max_rows: usize,
+) -> Result<AttendPlan, String> {
+    plan_within(
+        n_heads,
+        n_kv_heads,
+        t,
+        d,
+        max_rows,
+        ATTEND_HEADS,
+        MIN_SPLIT_ROWS,
+    )
+}
+
+/// The attention geometry with at most `heads` query heads a threadgroup and splits of at least
+/// `min_split` rows.
+fn plan_within(
+    n_heads: usize,
+    n_kv_heads: usize,
+    t: usize,
+    d: usize,
+    max_rows: usize,
+    heads: usize,
+    min_split: usize,
 ) -> Result<AttendPlan, String> {
     if ![64, 128, 256].contains(&d) {
         return Err(format!("metal attend: head dim {d} (64, 128 or 256)"));
@@ -211,7 +270,7 @@ fn attend_plan(
         return Err("metal attend: no query rows".into());
     }
     let group = n_heads / n_kv_heads;
-    let gb = group.min(ATTEND_HEADS);
+    let gb = group.min(heads);
     let hchunks = group.div_ceil(gb);
     let base = t * n_kv_heads * hchunks;
     let want = TARGET_THREADGROUPS.div_ceil(base).max(1);
@@ -221,7 +280,7 @@ fn attend_plan(
         .div_ceil(ATTEND_THREADS)
         .max(1)
         .saturating_mul(ATTEND_THREADS)
-        .max(MIN_SPLIT_ROWS);
+        .max(min_split);
     let n_splits = max_rows.div_ceil(split_rows).max(1);
     Ok(AttendPlan {
         n_heads,
@@ -286,5 +345,35 @@ mod tests {
         assert!(attend_vq(8, 2, 1, 512, 10).is_err());
         let e = encode_vq(10, 256);
         assert_eq!((e.threadgroups, e.threads), ([10, 1, 1], [256, 1, 1]));
+    }
+
+    #[test]
+    fn the_vq_table_is_picked_where_it_fits_and_pays() {
+        // (d, sub): query heads whose tables fit 8192 entries; none at d 256, sub 4.
+        for (d, sub, heads) in [
+            (64, 4, 2),
+            (64, 8, 2),
+            (128, 4, 1),
+            (128, 8, 2),
+            (256, 8, 1),
+        ] {
+            let pl = attend_vq_table(32, 8, 1, d, sub, 5000).unwrap().unwrap();
+            assert_eq!(pl.gb, heads, "d {d} sub {sub}");
+            assert!(pl.gb * (d / sub) * 256 <= VQ_LUT_ENTRIES);
+            assert!(pl.split_rows >= VQ_LUT_MIN_ROWS && pl.split_rows * pl.n_splits >= 5000);
+            assert_eq!(pl.hchunks, 4_usize.div_ceil(heads));
+        }
+        assert_eq!(attend_vq_table(32, 8, 1, 256, 4, 5000), Ok(None));
+        assert_eq!(
+            attend_vq_table(32, 8, 1, 128, 4, VQ_LUT_MIN_ROWS - 1),
+            Ok(None)
+        );
+        assert!(
+            attend_vq_table(32, 8, 1, 128, 4, VQ_LUT_MIN_ROWS)
+                .unwrap()
+                .is_some()
+        );
+        assert!(attend_vq_table(32, 8, 1, 128, 0, 5000).is_err());
+        assert!(attend_vq_table(6, 4, 1, 128, 4, 5000).is_err());
     }
 }

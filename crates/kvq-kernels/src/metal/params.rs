@@ -256,6 +256,25 @@ pub fn vq_books(s: &VqSpec, d: usize) -> Option<u32> {
     ok.then(|| u32::try_from(books).ok()).flatten()
 }
 
+/// The largest centroid norm of each codebook of a VecInfer key spec (`[books]`), the bound
+/// `kvq_attend_vq_lut` scales its 16-bit table by (every entry `q_sp . c` lies within
+/// `|q_sp|` times it). Rounded up by a relative 2^-20 so that the f32 bound the kernel computes
+/// still covers an f32 dot product's rounding.
+pub fn vq_book_norms(s: &VqSpec) -> Vec<f32> {
+    let one = 256 * s.sub.max(1);
+    s.books
+        .chunks(one)
+        .map(|book| {
+            let max = book
+                .chunks(s.sub.max(1))
+                .map(|c| c.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>())
+                .fold(0.0, f64::max)
+                .sqrt();
+            (max * (1.0 + 1.0 / f64::from(1u32 << 20))) as f32
+        })
+        .collect()
+}
+
 /// kernels/metal/qjl/attend.metal `QjlAttendParams`: the dispatch's shape and splits, the
 /// compressed range (positions as u32), the key sketch and the value groups.
 #[repr(C)]
@@ -475,6 +494,25 @@ mod tests {
             prm.as_bytes().len(),
             std::mem::size_of::<ScalarAttendParams>()
         );
+    }
+
+    #[test]
+    fn book_norms_bound_every_centroid() {
+        // Two books of sub-vectors of 4: the largest norms are 2 (book 0) and 5 (book 1).
+        let mut books = vec![0.0f32; 2 * 256 * 4];
+        books[7 * 4..8 * 4].copy_from_slice(&[1.0, 1.0, 1.0, -1.0]);
+        books[256 * 4 + 3 * 4..256 * 4 + 4 * 4].copy_from_slice(&[3.0, 0.0, -4.0, 0.0]);
+        books[9] = 0.5;
+        let s = VqSpec {
+            sub: 4,
+            books,
+            signs: vec![1.0; 8],
+            lambda: vec![1.0; 8],
+        };
+        let n = vq_book_norms(&s);
+        assert_eq!(n.len(), 2);
+        assert!(n[0] >= 2.0 && n[0] < 2.0 * (1.0 + 1e-5), "{}", n[0]);
+        assert!(n[1] >= 5.0 && n[1] < 5.0 * (1.0 + 1e-5), "{}", n[1]);
     }
 
     #[test]

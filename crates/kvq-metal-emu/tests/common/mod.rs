@@ -14,7 +14,9 @@ use kvq_cache::methods::turboquant_prod::ProdKeyCodec;
 use kvq_cache::methods::turboquant_rvq::RvqCodec;
 use kvq_cache::methods::vecinfer::codec::{ValueAccum, VqKeyCodec, VqValueCodec};
 use kvq_kernels::metal::dispatch::{self, AttendPlan};
-use kvq_kernels::metal::params::{AsBytes, CombineParams, QjlAttendParams, ScalarAttendParams};
+use kvq_kernels::metal::params::{
+    AsBytes, CombineParams, QjlAttendParams, ScalarAttendParams, vq_book_norms,
+};
 use kvq_kernels::spec::{KeySpec, ScalarSpec, SketchSpec, ValueSpec, VqSpec};
 use kvq_kernels::{AttendParams, compressed_attend, encode_keys, encode_values};
 use kvq_metal_emu::{Order, f32_bytes, run};
@@ -23,6 +25,11 @@ use std::sync::Arc;
 pub const KVH: usize = 2;
 /// fp32 throughout: the kernel and the CPU op differ only in summation order.
 pub const BOUND: f64 = 1e-4;
+/// `kvq_attend_vq_lut`: its key scores come from a 16-bit fixed-point table (each entry within
+/// 2^-17 of its sub-position's range, about 1e-5 of a row's score), not from f32 dot products.
+pub const TABLE_BOUND: f64 = 1e-3;
+/// VecInfer's table kernel.
+pub const VQ_TABLE: &str = "kvq_attend_vq_lut";
 
 /// What the emulated kernel reads besides the codes: the codecs' specs.
 pub enum Spec {
@@ -267,7 +274,7 @@ pub fn max_rows(x: &Inputs) -> usize {
 
 /// The plan and buffers (the partial rows empty, at index `len - 2`) of `c`'s attention kernel
 /// on `x`, as `metal_fwd` binds them.
-fn bind(c: &Case, x: &Inputs) -> Result<(AttendPlan, Vec<Vec<u8>>), String> {
+fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>), String> {
     let (q, kc, vc) = (f32_bytes(&x.q), x.kc.clone(), x.vc.clone());
     let (nh, t, d, n, mr) = (x.nh, x.t, x.d, x.n, max_rows(x));
     let widths = |kcb: u32, vcb: u32| match kcb as usize == c.keys.code_bytes()
@@ -330,6 +337,27 @@ fn bind(c: &Case, x: &Inputs) -> Result<(AttendPlan, Vec<Vec<u8>>), String> {
                 vec![q, kc, vc, f32_bytes(mats), Vec::new(), prm.as_bytes()],
             )
         }
+        Spec::Vq { k, v } if attend.ends_with(VQ_TABLE) => {
+            let plan = dispatch::attend_vq_table(nh, KVH, t, d, k.sub, mr)?
+                .ok_or("the table kernel declines this shape")?;
+            let prm =
+                ScalarAttendParams::vq(&plan, &x.p, n, d, k, v).ok_or("parameters out of range")?;
+            widths(prm.kcb, prm.vcb)?;
+            let bufs = vec![
+                q,
+                kc,
+                vc,
+                f32_bytes(&k.books),
+                f32_bytes(&k.signs),
+                f32_bytes(&k.lambda),
+                f32_bytes(&vq_book_norms(k)),
+                f32_bytes(&v.books),
+                f32_bytes(&v.signs),
+                Vec::new(),
+                prm.as_bytes(),
+            ];
+            (plan, bufs)
+        }
         Spec::Vq { k, v } => {
             let plan = dispatch::attend_vq(nh, KVH, t, d, mr)?;
             let prm =
@@ -361,7 +389,7 @@ pub fn emu_part(
     attend: &str,
     order: Order,
 ) -> Result<(AttendPlan, Vec<u8>), String> {
-    let (plan, mut bufs) = bind(c, x)?;
+    let (plan, mut bufs) = bind(c, x, attend)?;
     let slot = bufs.len() - 2;
     bufs[slot] = nan_bytes(x.nh * x.t * plan.n_splits * (x.d + 2));
     let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
@@ -446,7 +474,7 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 
 /// The emulated attention against the CPU op on `x`: Ok when the relative L2 of the normalized
 /// outputs and the largest log-sum-exp difference (relative to the log-sum-exp where that is
-/// over 1) are under [`BOUND`].
+/// over 1) are under [`BOUND`] ([`TABLE_BOUND`] for VecInfer's table kernel).
 pub fn check(
     c: &Case,
     x: &Inputs,
@@ -454,6 +482,29 @@ pub fn check(
     combine: &str,
     order: Order,
 ) -> Result<(), String> {
+    let bound = match attend.ends_with(VQ_TABLE) {
+        true => TABLE_BOUND,
+        false => BOUND,
+    };
+    let (e, dl, plan) = errors(c, x, attend, combine, order)?;
+    match e < bound && dl < bound {
+        true => Ok(()),
+        false => Err(format!(
+            "rel L2 {e:.3e}, |dlse| {dl:.3e} ({} splits of {} rows)",
+            plan.n_splits, plan.split_rows
+        )),
+    }
+}
+
+/// The relative L2 error of the normalized outputs and the largest log-sum-exp difference
+/// (relative where the log-sum-exp is over 1) of the emulated kernels against the CPU op.
+pub fn errors(
+    c: &Case,
+    x: &Inputs,
+    attend: &str,
+    combine: &str,
+    order: Order,
+) -> Result<(f64, f64, AttendPlan), String> {
     let (got, plan) = emu_attend(c, x, attend, combine, 0, order)?;
     let (og, lg) = normalized(&got, x.d)?;
     let (oc, lc) = normalized(&x.cpu, x.d)?;
@@ -468,14 +519,7 @@ pub fn check(
             }
         })
         .fold(0.0, f64::max);
-    let e = rel_l2(&og, &oc);
-    match e < BOUND && dl < BOUND {
-        true => Ok(()),
-        false => Err(format!(
-            "rel L2 {e:.3e}, |dlse| {dl:.3e} ({} splits of {} rows)",
-            plan.n_splits, plan.split_rows
-        )),
-    }
+    Ok((rel_l2(&og, &oc), dl, plan))
 }
 
 /// A negative control: on decode over 3000 positions with range `p` (head dim 64, 4 query heads
