@@ -22,8 +22,10 @@ const ENCODE_FWHT: &[&str] = &[
     "vecinfer/encode.metal",
     "turboquant_prod/encode.metal",
 ];
-/// The scalar attention and the kernels built on its `attend_codes`.
+/// The scalar attention and the kernels built on its `attend_codes` (after the split merge's
+/// helpers, as the Metal backend compiles them).
 const ATTEND_CODES: &[&str] = &[
+    "common/combine.metal",
     "turboquant_mse/attend.metal",
     "turboquant_prod/attend.metal",
     "vecinfer/attend.metal",
@@ -91,7 +93,7 @@ const MUTANTS: &[Mutant] = &[
     (
         // QJL: the barrier between the projection S q and the scores that read it, removed.
         "qjl_no_barrier",
-        &["qjl/attend.metal"],
+        &["common/combine.metal", "qjl/attend.metal"],
         &[(
             "a[g] * cq;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "a[g] * cq;\n  }\n",
@@ -139,6 +141,16 @@ const MUTANTS: &[Mutant] = &[
         &[(
             "levels));\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
             "levels));\n",
+        )],
+    ),
+    (
+        // The split merge in one dispatch: the first split threadgroup to arrive merges, before
+        // the others have written their rows.
+        "merge_not_last",
+        &["common/combine.metal", "turboquant_mse/attend.metal"],
+        &[(
+            "flag[0] = before + 1 == n_splits ? 1.0f : 0.0f;",
+            "flag[0] = before == 0 ? 1.0f : 0.0f;",
         )],
     ),
     (

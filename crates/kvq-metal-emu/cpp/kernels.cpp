@@ -18,8 +18,8 @@ namespace kvq_real {
 #include "turboquant_mse/encode.metal"
 #include "qjl/encode.metal"
 #include "vecinfer/encode.metal"
-#include "turboquant_mse/attend.metal"
 #include "common/combine.metal"
+#include "turboquant_mse/attend.metal"
 #include "qjl/attend.metal"
 #include "turboquant_prod/encode.metal"
 #include "turboquant_prod/attend.metal"
@@ -74,6 +74,10 @@ namespace kvq_vq_no_barrier {
 #include KVQ_MUTANT_VQ_NO_BARRIER
 }  // namespace kvq_vq_no_barrier
 
+namespace kvq_merge_not_last {
+#include KVQ_MUTANT_MERGE_NOT_LAST
+}  // namespace kvq_merge_not_last
+
 namespace kvq_vq_lut_no_barrier {
 #include KVQ_MUTANT_VQ_LUT_NO_BARRIER
 }  // namespace kvq_vq_lut_no_barrier
@@ -127,28 +131,43 @@ Entry nearest(F fn) {
           }};
 }
 
+// The attention kernels: q, key codes, value codes, `Arrays` read-only float arrays, then the
+// partial rows, the merged rows, the split counters and the parameters (kvq_attend_scalar: 4
+// arrays, kvq_attend_prod and kvq_attend_vq: 5, kvq_attend_vq_lut: 6, kvq_attend_qjl: 1).
+template <size_t... I>
+struct Seq {};
+template <size_t N, size_t... I>
+struct MakeSeq : MakeSeq<N - 1, N - 1, I...> {};
+template <size_t... I>
+struct MakeSeq<0, I...> {
+  using type = Seq<I...>;
+};
+
+template <class Params, class F, size_t... I>
+void call_attend(F fn, B b, Seq<I...>) {
+  constexpr size_t n = sizeof...(I);
+  fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
+     static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3 + I])...,
+     static_cast<float*>(b[3 + n]), static_cast<float*>(b[4 + n]),
+     static_cast<metal::atomic_uint*>(b[5 + n]), *static_cast<const Params*>(b[6 + n]),
+     bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
+     bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
+}
+
+template <size_t Arrays, class Params, class F>
+Entry attend(F fn) {
+  return {Arrays + 7,
+          [fn](B b) { call_attend<Params>(fn, b, typename MakeSeq<Arrays>::type{}); }};
+}
+
 template <class Params, class F>
 Entry attend_scalar(F fn) {
-  return {9, [fn](B b) {
-            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
-               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
-               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
-               static_cast<const float*>(b[6]), static_cast<float*>(b[7]),
-               *static_cast<const Params*>(b[8]), bi().thread_position_in_threadgroup.x,
-               bi().threadgroup_position_in_grid.x, bi().thread_index_in_simdgroup,
-               bi().simdgroup_index_in_threadgroup);
-          }};
+  return attend<4, Params>(fn);
 }
 
 template <class Params, class F>
 Entry attend_qjl(F fn) {
-  return {6, [fn](B b) {
-            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
-               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
-               static_cast<float*>(b[4]), *static_cast<const Params*>(b[5]),
-               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
-               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
-          }};
+  return attend<1, Params>(fn);
 }
 
 template <class Params, class F>
@@ -182,34 +201,16 @@ Entry encode_vq(F fn) {
           }};
 }
 
-// kvq_attend_prod and kvq_attend_vq: q, key codes, value codes, five arrays, the partial rows,
-// the parameters.
+// kvq_attend_prod and kvq_attend_vq.
 template <class Params, class F>
-Entry attend_ten(F fn) {
-  return {10, [fn](B b) {
-            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
-               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
-               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
-               static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
-               static_cast<float*>(b[8]), *static_cast<const Params*>(b[9]),
-               bi().thread_position_in_threadgroup.x, bi().threadgroup_position_in_grid.x,
-               bi().thread_index_in_simdgroup, bi().simdgroup_index_in_threadgroup);
-          }};
+Entry attend5(F fn) {
+  return attend<5, Params>(fn);
 }
 
-// kvq_attend_vq_lut: q, key codes, value codes, six arrays, the partial rows, the parameters.
+// kvq_attend_vq_lut.
 template <class Params, class F>
-Entry attend_eleven(F fn) {
-  return {11, [fn](B b) {
-            fn(static_cast<const float*>(b[0]), static_cast<const uchar*>(b[1]),
-               static_cast<const uchar*>(b[2]), static_cast<const float*>(b[3]),
-               static_cast<const float*>(b[4]), static_cast<const float*>(b[5]),
-               static_cast<const float*>(b[6]), static_cast<const float*>(b[7]),
-               static_cast<const float*>(b[8]), static_cast<float*>(b[9]),
-               *static_cast<const Params*>(b[10]), bi().thread_position_in_threadgroup.x,
-               bi().threadgroup_position_in_grid.x, bi().thread_index_in_simdgroup,
-               bi().simdgroup_index_in_threadgroup);
-          }};
+Entry attend6(F fn) {
+  return attend<6, Params>(fn);
 }
 
 template <class Params, class F>
@@ -257,21 +258,23 @@ const std::map<std::string, Entry>& table() {
       {"kvq_encode_prod", encode_prod<kvq_real::ProdEncodeParams>(kvq_real::kvq_encode_prod)},
       {"kvq_encode_group", encode_group<kvq_real::GroupEncodeParams>(kvq_real::kvq_encode_group)},
       {"kvq_encode_vq", encode_vq<kvq_real::VqEncodeParams>(kvq_real::kvq_encode_vq)},
-      {"kvq_attend_prod", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_prod)},
-      {"kvq_attend_vq", attend_ten<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq)},
+      {"kvq_attend_prod", attend5<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_prod)},
+      {"kvq_attend_vq", attend5<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq)},
+      {"merge_not_last/kvq_attend_scalar",
+       attend_scalar<kvq_merge_not_last::ScalarAttendParams>(kvq_merge_not_last::kvq_attend_scalar)},
       {"kvq_attend_vq_lut",
-       attend_eleven<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq_lut)},
+       attend6<kvq_real::ScalarAttendParams>(kvq_real::kvq_attend_vq_lut)},
       {"vq_lut_no_barrier/kvq_attend_vq_lut",
-       attend_eleven<kvq_vq_lut_no_barrier::ScalarAttendParams>(
+       attend6<kvq_vq_lut_no_barrier::ScalarAttendParams>(
            kvq_vq_lut_no_barrier::kvq_attend_vq_lut)},
       {"attend_no_barrier/kvq_attend_vq_lut",
-       attend_eleven<kvq_attend_no_barrier::ScalarAttendParams>(
+       attend6<kvq_attend_no_barrier::ScalarAttendParams>(
            kvq_attend_no_barrier::kvq_attend_vq_lut)},
       {"attend_no_score_barrier/kvq_attend_vq_lut",
-       attend_eleven<kvq_attend_no_score_barrier::ScalarAttendParams>(
+       attend6<kvq_attend_no_score_barrier::ScalarAttendParams>(
            kvq_attend_no_score_barrier::kvq_attend_vq_lut)},
       {"attend_split_overlap/kvq_attend_vq_lut",
-       attend_eleven<kvq_attend_split_overlap::ScalarAttendParams>(
+       attend6<kvq_attend_split_overlap::ScalarAttendParams>(
            kvq_attend_split_overlap::kvq_attend_vq_lut)},
       {"combine_no_barrier/kvq_combine",
        combine<kvq_combine_no_barrier::CombineParams>(kvq_combine_no_barrier::kvq_combine)},
@@ -285,21 +288,21 @@ const std::map<std::string, Entry>& table() {
       {"no_barrier/kvq_encode_prod",
        encode_prod<kvq_no_barrier::ProdEncodeParams>(kvq_no_barrier::kvq_encode_prod)},
       {"attend_no_barrier/kvq_attend_prod",
-       attend_ten<kvq_attend_no_barrier::ScalarAttendParams>(
+       attend5<kvq_attend_no_barrier::ScalarAttendParams>(
            kvq_attend_no_barrier::kvq_attend_prod)},
       {"attend_no_barrier/kvq_attend_vq",
-       attend_ten<kvq_attend_no_barrier::ScalarAttendParams>(kvq_attend_no_barrier::kvq_attend_vq)},
+       attend5<kvq_attend_no_barrier::ScalarAttendParams>(kvq_attend_no_barrier::kvq_attend_vq)},
       {"attend_no_score_barrier/kvq_attend_prod",
-       attend_ten<kvq_attend_no_score_barrier::ScalarAttendParams>(
+       attend5<kvq_attend_no_score_barrier::ScalarAttendParams>(
            kvq_attend_no_score_barrier::kvq_attend_prod)},
       {"attend_no_score_barrier/kvq_attend_vq",
-       attend_ten<kvq_attend_no_score_barrier::ScalarAttendParams>(
+       attend5<kvq_attend_no_score_barrier::ScalarAttendParams>(
            kvq_attend_no_score_barrier::kvq_attend_vq)},
       {"attend_split_overlap/kvq_attend_prod",
-       attend_ten<kvq_attend_split_overlap::ScalarAttendParams>(
+       attend5<kvq_attend_split_overlap::ScalarAttendParams>(
            kvq_attend_split_overlap::kvq_attend_prod)},
       {"attend_split_overlap/kvq_attend_vq",
-       attend_ten<kvq_attend_split_overlap::ScalarAttendParams>(
+       attend5<kvq_attend_split_overlap::ScalarAttendParams>(
            kvq_attend_split_overlap::kvq_attend_vq)},
       // The new kernels' own barriers and shuffles.
       {"prod_wrong_shuffle_lane/kvq_encode_prod",

@@ -6,8 +6,10 @@
 //! L2 of the normalized output and the log-sum-exp, under every lane order, with every output
 //! poisoned with NaN first (the harness is tests/common), at head dims 64, 128 and 256; and the
 //! negative controls (build.rs): a barrier removed from the attention's final reduction, between
-//! its scores and the softmax, from QJL's projection or from the combine, and a split boundary
-//! off by one row, each must be caught. TurboQuant-Prod and VecInfer, on the same skeleton, are
+//! its scores and the softmax, from QJL's projection or from the combine, a split boundary off
+//! by one row, and the one-dispatch merge done by the first split to arrive, each must be
+//! caught. Every split decode is checked merged both ways: by `kvq_combine` in a second
+//! dispatch, and by the attention's last split threadgroups (the MSL 3.2 path). TurboQuant-Prod and VecInfer, on the same skeleton, are
 //! in attend_prod_vq.rs.
 
 mod common;
@@ -198,6 +200,19 @@ fn an_off_by_one_split_boundary_is_caught() {
         &mse(64, 4),
         "kvq_attend_scalar",
         "attend_split_overlap/kvq_attend_scalar",
+        "kvq_combine",
+    );
+}
+
+/// The one-dispatch merge (MSL 3.2) done by the first split threadgroup to arrive instead of
+/// the last: it reads splits not yet written (the emulator runs the threadgroups forward,
+/// reversed and shuffled, so the first is a different split each time).
+#[test]
+fn a_merge_by_the_first_split_is_caught() {
+    assert_caught(
+        &mse(64, 4),
+        "kvq_attend_scalar",
+        "merge_not_last/kvq_attend_scalar",
         "kvq_combine",
     );
 }

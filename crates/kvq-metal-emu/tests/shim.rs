@@ -53,6 +53,14 @@ fn a_plain_kernel_compiles() {
          }",
     )
     .expect("a kernel in the supported subset compiles");
+    compiles(
+        "kernel void k(coherent(device) device float* x [[buffer(0)]],\n\
+         device atomic_uint* n [[buffer(1)]]) {\n\
+           atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);\n\
+           x[0] = float(atomic_fetch_add_explicit(n, 1u, memory_order_relaxed));\n\
+         }",
+    )
+    .expect("MSL 3.2's coherent buffers, device fences and atomic_uint's add compile");
 }
 
 #[test]
@@ -62,8 +70,9 @@ fn what_the_shim_does_not_support_does_not_compile() {
         "kernel void k(threadgroup float* t [[threadgroup(0)]]) { t[0] = 1.0f; }",
         // swizzles (vector types have their components only)
         "kernel void k(device float4* x [[buffer(0)]]) { x[0].xy = x[1].zw; }",
-        // atomics
-        "kernel void k(device atomic_uint* x [[buffer(0)]]) { atomic_fetch_add_explicit(x, 1u, memory_order_relaxed); }",
+        // atomics other than atomic_uint's add, load and store
+        "kernel void k(device atomic_int* x [[buffer(0)]]) { atomic_fetch_add_explicit(x, 1, memory_order_relaxed); }",
+        "kernel void k(device atomic_uint* x [[buffer(0)]]) { atomic_fetch_max_explicit(x, 1u, memory_order_relaxed); }",
         // writing a constant buffer
         "kernel void k(constant float& x [[buffer(0)]]) { x = 1.0f; }",
         // textures

@@ -194,32 +194,41 @@ std::string dispatch(Dim3 groups, Dim3 threads, Order order, uint64_t seed,
   st.simd.resize((n + SIMD_WIDTH - 1) / SIMD_WIDTH);
   std::mt19937_64 rng(seed);
   std::string err;
-  for (uint32_t gz = 0; gz < groups.z && err.empty(); gz++)
-    for (uint32_t gy = 0; gy < groups.y && err.empty(); gy++)
-      for (uint32_t gx = 0; gx < groups.x && err.empty(); gx++) {
-        st.at_barrier = 0;
-        for (auto& s : st.simd) s = Simd{};
-        uint32_t i = 0;
-        for (uint32_t tz = 0; tz < threads.z; tz++)
-          for (uint32_t ty = 0; ty < threads.y; ty++)
-            for (uint32_t tx = 0; tx < threads.x; tx++, i++) {
-              Lane& l = st.lanes[i];
-              l.wait = Wait::Run;
-              l.simd_phase = 0;
-              l.b.thread_position_in_threadgroup = {tx, ty, tz};
-              l.b.threadgroup_position_in_grid = {gx, gy, gz};
-              l.b.threads_per_threadgroup = threads;
-              l.b.threadgroups_per_grid = groups;
-              l.b.thread_position_in_grid = {gx * threads.x + tx, gy * threads.y + ty,
-                                             gz * threads.z + tz};
-              l.b.thread_index_in_threadgroup = i;
-              l.b.thread_index_in_simdgroup = i % SIMD_WIDTH;
-              l.b.simdgroup_index_in_threadgroup = i / SIMD_WIDTH;
-              l.b.threads_per_simdgroup = SIMD_WIDTH;
-              start_fiber(l, st.stacks[i].get());
-            }
-        if (!run_group(order, rng)) err = st.error;
-      }
+  // Threadgroups in the order's order too: forward, reverse, or shuffled, so a kernel whose
+  // threadgroups depend on each other's order (the split merge's last one) meets every case.
+  std::vector<uint64_t> order_of;
+  const uint64_t n_groups = (uint64_t)groups.x * groups.y * groups.z;
+  order_of.reserve(n_groups);
+  for (uint64_t g = 0; g < n_groups; g++) order_of.push_back(g);
+  if (order == Order::Reverse) std::reverse(order_of.begin(), order_of.end());
+  if (order == Order::Random) std::shuffle(order_of.begin(), order_of.end(), rng);
+  for (uint64_t gi = 0; gi < n_groups && err.empty(); gi++) {
+    const uint32_t gx = (uint32_t)(order_of[gi] % groups.x);
+    const uint32_t gy = (uint32_t)(order_of[gi] / groups.x % groups.y);
+    const uint32_t gz = (uint32_t)(order_of[gi] / groups.x / groups.y);
+    st.at_barrier = 0;
+    for (auto& s : st.simd) s = Simd{};
+    uint32_t i = 0;
+    for (uint32_t tz = 0; tz < threads.z; tz++)
+      for (uint32_t ty = 0; ty < threads.y; ty++)
+        for (uint32_t tx = 0; tx < threads.x; tx++, i++) {
+          Lane& l = st.lanes[i];
+          l.wait = Wait::Run;
+          l.simd_phase = 0;
+          l.b.thread_position_in_threadgroup = {tx, ty, tz};
+          l.b.threadgroup_position_in_grid = {gx, gy, gz};
+          l.b.threads_per_threadgroup = threads;
+          l.b.threadgroups_per_grid = groups;
+          l.b.thread_position_in_grid = {gx * threads.x + tx, gy * threads.y + ty,
+                                         gz * threads.z + tz};
+          l.b.thread_index_in_threadgroup = i;
+          l.b.thread_index_in_simdgroup = i % SIMD_WIDTH;
+          l.b.simdgroup_index_in_threadgroup = i / SIMD_WIDTH;
+          l.b.threads_per_simdgroup = SIMD_WIDTH;
+          start_fiber(l, st.stacks[i].get());
+        }
+    if (!run_group(order, rng)) err = st.error;
+  }
   S = outer;
   return err;
 }

@@ -4,8 +4,10 @@
 // it reaches one, then the next runnable fiber runs, in the dispatch's lane order (forward,
 // reverse, or a fresh random permutation at every round), so a kernel that reads threadgroup
 // memory before another thread wrote it, or depends on lane order, answers differently.
-// Threadgroups run one after another. Misuse the hardware leaves undefined (a barrier that not
-// every thread reaches, simdgroup operations that diverge) is an error, not a guess.
+// Threadgroups run one after another, forward, reversed or shuffled as the order says (a
+// kernel must not depend on which threadgroup runs first or last). Misuse the hardware leaves
+// undefined (a barrier that not every thread reaches, simdgroup operations that diverge) is an
+// error, not a guess.
 #pragma once
 #include <cstdint>
 #include <functional>

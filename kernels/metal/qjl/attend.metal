@@ -7,9 +7,10 @@
 // computed once per threadgroup; value rows are groupwise (f16 scale, f16 min per group of
 // `vgroup` coordinates, all groups first, then `vbits`-bit codes LSB first), decoded to
 // `min + scale * code` before weighting (as the CPU codec sums). Writes one partial row
-// [d unnormalized outputs, max, sum] per query head; kernels/metal/common/combine.metal merges the
-// splits. Dispatch: kvq_kernels::metal::dispatch::attend_qjl (the same geometry as the scalar
-// kernel's).
+// [d unnormalized outputs, max, sum] per query head; with `merge` the last split threadgroup of a
+// row merges the splits into `out` (kernels/metal/common/combine.metal's `merge_if_last`,
+// compiled before this file), else kvq_combine does in a second dispatch. Dispatch:
+// kvq_kernels::metal::dispatch::attend_qjl (the same geometry as the scalar kernel's).
 #include <metal_stdlib>
 using namespace metal;
 
@@ -42,6 +43,7 @@ struct QjlAttendParams {
   uint vgroup;        // coordinates per value group
   uint vcb;           // bytes of a value code row: 4 d / vgroup + d vbits / 8
   float scale;        // softmax scale
+  uint merge;         // 1: the last split threadgroup merges into `out` (MSL 3.2 libraries only)
 };
 
 struct QjlRowRange {
@@ -76,8 +78,10 @@ kernel void kvq_attend_qjl(device const float* q [[buffer(0)]],
                            device const uchar* kc [[buffer(1)]],
                            device const uchar* vc [[buffer(2)]],
                            device const float* mats [[buffer(3)]],
-                           device float* part [[buffer(4)]],
-                           constant QjlAttendParams& p [[buffer(5)]],
+                           KVQ_COHERENT device float* part [[buffer(4)]],
+                           device float* out [[buffer(5)]],
+                           device atomic_uint* counters [[buffer(6)]],
+                           constant QjlAttendParams& p [[buffer(7)]],
                            uint tid [[thread_position_in_threadgroup]],
                            uint tg [[threadgroup_position_in_grid]],
                            uint lane [[thread_index_in_simdgroup]],
@@ -113,6 +117,9 @@ kernel void kvq_attend_qjl(device const float* q [[buffer(0)]],
       part[((h0 + g) * p.t + t) * p.n_splits * width + split * width + c] =
           c == d ? -INFINITY : 0.0f;
     }
+    if (p.merge != 0)
+      merge_if_last(part, out, counters + tg / p.n_splits, h0, gb, t, p.t, p.n_splits, d, tid,
+                    lane, sg, big, sc, alpha);
     return;
   }
 
@@ -231,4 +238,7 @@ kernel void kvq_attend_qjl(device const float* q [[buffer(0)]],
     }
     part[((h0 + g) * p.t + t) * p.n_splits * width + split * width + c] = x;
   }
+  if (p.merge != 0)
+    merge_if_last(part, out, counters + tg / p.n_splits, h0, gb, t, p.t, p.n_splits, d, tid, lane,
+                  sg, big, sc, alpha);
 }

@@ -10,7 +10,9 @@
 // by sigma (`q . k = norm * sum_c (R q)_c sigma level[idx_c]`); values are summed in the rotated
 // domain with an online softmax and rotated back once at the end. Each threadgroup writes one
 // partial row [d unnormalized outputs, max, sum] per query head (kvq-kernels attend.rs
-// `Partial`); kernels/metal/common/combine.metal merges the splits. Dispatch:
+// `Partial`); with `merge` the last split threadgroup of a row merges the splits into `out`
+// (kernels/metal/common/combine.metal's `merge_if_last`, compiled before this file), else
+// kvq_combine does in a second dispatch. Dispatch:
 // kvq_kernels::metal::dispatch::attend_scalar (a 1-D grid of threadgroups, index
 // (t * kv_heads * hchunks + kh * hchunks + hc) * n_splits + split).
 #include <metal_stdlib>
@@ -59,6 +61,7 @@ struct ScalarAttendParams {
   uint vsub;          // KVQ_VQ: value sub-vector length; vcb = d / vsub
   uint kbooks;        // KVQ_VQ: key codebooks, 1 (shared) or d / ksub (one per sub-position)
   uint vbooks;        // KVQ_VQ: value codebooks
+  uint merge;         // 1: the last split threadgroup merges into `out` (MSL 3.2 libraries only)
 };
 
 // The code rows [r0, r1) the query at `pos` reads (kvq-kernels AttendParams::code_rows).
@@ -129,9 +132,10 @@ template <uint KIND, class TG, class TGU>
 inline void attend_codes(device const float* q, device const uchar* kc, device const uchar* vc,
                          device const float* ka, device const float* kb, device const float* kx,
                          device const float* kn, device const float* va, device const float* vb,
-                         device float* part, constant ScalarAttendParams& p, TG qs, TG sq, TG klv,
-                         TG vlv, TG sc, TG mstate, TG lstate, TG alpha, TG red, TGU lut, uint tid,
-                         uint tg, uint lane, uint sg) {
+                         KVQ_COHERENT device float* part, device float* out,
+                         device atomic_uint* counters, constant ScalarAttendParams& p, TG qs,
+                         TG sq, TG klv, TG vlv, TG sc, TG mstate, TG lstate, TG alpha, TG red,
+                         TGU lut, uint tid, uint tg, uint lane, uint sg) {
   const uint d = p.d;
   const uint per_t = p.kvh * p.hchunks * p.n_splits;
   // Shapes past the threadgroup arrays write nothing (the host's plan never makes them).
@@ -161,6 +165,9 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
       part[((h0 + g) * p.t + t) * p.n_splits * width + split * width + c] =
           c == d ? -INFINITY : 0.0f;
     }
+    if (p.merge != 0)
+      merge_if_last(part, out, counters + tg / p.n_splits, h0, gb, t, p.t, p.n_splits, d, tid,
+                    lane, sg, red, sc, alpha);
     return;
   }
 
@@ -372,6 +379,9 @@ inline void attend_codes(device const float* q, device const uchar* kc, device c
     const float x = c < d ? qs[g * d + c] * vs[c] * inv : (c == d ? mstate[g] : lstate[g]);
     part[((h0 + g) * p.t + t) * p.n_splits * width + split * width + c] = x;
   }
+  if (p.merge != 0)
+    merge_if_last(part, out, counters + tg / p.n_splits, h0, gb, t, p.t, p.n_splits, d, tid, lane,
+                  sg, red, sc, alpha);
 }
 
 // The threadgroup arrays of one attention threadgroup, declared in the kernel's scope.
@@ -392,14 +402,17 @@ kernel void kvq_attend_scalar(device const float* q [[buffer(0)]],
                               device const float* ksigns [[buffer(4)]],
                               device const float* vlevels [[buffer(5)]],
                               device const float* vsigns [[buffer(6)]],
-                              device float* part [[buffer(7)]],
-                              constant ScalarAttendParams& p [[buffer(8)]],
+                              KVQ_COHERENT device float* part [[buffer(7)]],
+                              device float* out [[buffer(8)]],
+                              device atomic_uint* counters [[buffer(9)]],
+                              constant ScalarAttendParams& p [[buffer(10)]],
                               uint tid [[thread_position_in_threadgroup]],
                               uint tg [[threadgroup_position_in_grid]],
                               uint lane [[thread_index_in_simdgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]]) {
   KVQ_ATTEND_ARRAYS;
   // (klevels stands in for the arrays this kind never reads, sc for the table.)
-  attend_codes<KVQ_SCALAR>(q, kc, vc, klevels, ksigns, klevels, klevels, vlevels, vsigns, part, p,
-                           qs, qs, klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg, lane, sg);
+  attend_codes<KVQ_SCALAR>(q, kc, vc, klevels, ksigns, klevels, klevels, vlevels, vsigns, part, out,
+                           counters, p, qs, qs, klv, vlv, sc, mstate, lstate, alpha, red, sc, tid,
+                           tg, lane, sg);
 }

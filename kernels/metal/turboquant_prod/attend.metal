@@ -13,8 +13,10 @@ kernel void kvq_attend_prod(device const float* q [[buffer(0)]],
                             device const float* vlevels [[buffer(5)]],
                             device const float* vsigns [[buffer(6)]],
                             device const float* mats [[buffer(7)]],
-                            device float* part [[buffer(8)]],
-                            constant ScalarAttendParams& p [[buffer(9)]],
+                            KVQ_COHERENT device float* part [[buffer(8)]],
+                            device float* out [[buffer(9)]],
+                            device atomic_uint* counters [[buffer(10)]],
+                            constant ScalarAttendParams& p [[buffer(11)]],
                             uint tid [[thread_position_in_threadgroup]],
                             uint tg [[threadgroup_position_in_grid]],
                             uint lane [[thread_index_in_simdgroup]],
@@ -22,6 +24,7 @@ kernel void kvq_attend_prod(device const float* q [[buffer(0)]],
   KVQ_ATTEND_ARRAYS;
   threadgroup float sq[KVQ_ATTEND_GB * KVQ_ATTEND_MAX_D];  // sqrt(pi/2)/m S q, [gb][m]
   // (mats stands in for the codebook norms this kind never reads, sc for the table.)
-  attend_codes<KVQ_PROD>(q, kc, vc, klevels, ksigns, mats, mats, vlevels, vsigns, part, p, qs, sq,
-                         klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg, lane, sg);
+  attend_codes<KVQ_PROD>(q, kc, vc, klevels, ksigns, mats, mats, vlevels, vsigns, part, out,
+                         counters, p, qs, sq, klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg,
+                         lane, sg);
 }

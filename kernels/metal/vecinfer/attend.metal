@@ -24,16 +24,19 @@ kernel void kvq_attend_vq(device const float* q [[buffer(0)]],
                           device const float* lambda [[buffer(5)]],
                           device const float* vbooks [[buffer(6)]],
                           device const float* vsigns [[buffer(7)]],
-                          device float* part [[buffer(8)]],
-                          constant ScalarAttendParams& p [[buffer(9)]],
+                          KVQ_COHERENT device float* part [[buffer(8)]],
+                          device float* out [[buffer(9)]],
+                          device atomic_uint* counters [[buffer(10)]],
+                          constant ScalarAttendParams& p [[buffer(11)]],
                           uint tid [[thread_position_in_threadgroup]],
                           uint tg [[threadgroup_position_in_grid]],
                           uint lane [[thread_index_in_simdgroup]],
                           uint sg [[simdgroup_index_in_threadgroup]]) {
   KVQ_ATTEND_ARRAYS;
   // (kbooks stands in for the codebook norms this kind never reads, sc for the table.)
-  attend_codes<KVQ_VQ>(q, kc, vc, kbooks, ksigns, lambda, kbooks, vbooks, vsigns, part, p, qs, qs,
-                       klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg, lane, sg);
+  attend_codes<KVQ_VQ>(q, kc, vc, kbooks, ksigns, lambda, kbooks, vbooks, vsigns, part, out,
+                       counters, p, qs, qs, klv, vlv, sc, mstate, lstate, alpha, red, sc, tid, tg,
+                       lane, sg);
 }
 
 kernel void kvq_attend_vq_lut(device const float* q [[buffer(0)]],
@@ -45,8 +48,10 @@ kernel void kvq_attend_vq_lut(device const float* q [[buffer(0)]],
                               device const float* knorms [[buffer(6)]],
                               device const float* vbooks [[buffer(7)]],
                               device const float* vsigns [[buffer(8)]],
-                              device float* part [[buffer(9)]],
-                              constant ScalarAttendParams& p [[buffer(10)]],
+                              KVQ_COHERENT device float* part [[buffer(9)]],
+                              device float* out [[buffer(10)]],
+                              device atomic_uint* counters [[buffer(11)]],
+                              constant ScalarAttendParams& p [[buffer(12)]],
                               uint tid [[thread_position_in_threadgroup]],
                               uint tg [[threadgroup_position_in_grid]],
                               uint lane [[thread_index_in_simdgroup]],
@@ -61,6 +66,7 @@ kernel void kvq_attend_vq_lut(device const float* q [[buffer(0)]],
   threadgroup float red[KVQ_LUT_GB * 8 * KVQ_ATTEND_THREADS];
   threadgroup float steps[2 * KVQ_LUT_GB * KVQ_LUT_MAX_SP + KVQ_LUT_GB];
   threadgroup ushort lut[KVQ_LUT_ENTRIES];
-  attend_codes<KVQ_VQ_LUT>(q, kc, vc, kbooks, ksigns, lambda, knorms, vbooks, vsigns, part, p, qs,
-                           steps, klv, klv, sc, mstate, lstate, alpha, red, lut, tid, tg, lane, sg);
+  attend_codes<KVQ_VQ_LUT>(q, kc, vc, kbooks, ksigns, lambda, knorms, vbooks, vsigns, part, out,
+                           counters, p, qs, steps, klv, klv, sc, mstate, lstate, alpha, red, lut,
+                           tid, tg, lane, sg);
 }

@@ -1,14 +1,15 @@
 //! `compressed_attend`'s `metal_fwd` body: one fused decode attention dispatch per call (every
-//! query head and row of a layer, split over the code rows as
-//! [`super::dispatch`] plans it), then, only when it split the rows, `kvq_combine` merging the
-//! splits (a second dispatch: Metal orders no memory between threadgroups of one dispatch, so a
-//! last-threadgroup merge like the CUDA kernels' is not available). The kernel is picked by
+//! query head and row of a layer, split over the code rows as [`super::dispatch`] plans it).
+//! When it splits the rows, the last split threadgroup of each row merges them where the library
+//! compiled as MSL 3.2 (macOS 15, iOS 18: device-scope fences order memory between the
+//! threadgroups of one dispatch; still one dispatch); on older systems `kvq_combine` merges them
+//! in a second dispatch. The kernel is picked by
 //! the codecs' specs: `kvq_attend_scalar` (TurboQuant-MSE and -RVQ), `kvq_attend_prod`
 //! (TurboQuant-Prod), `kvq_attend_qjl` (QJL) and, for VecInfer, `kvq_attend_vq_lut` (a per-query
 //! table of scores) where [`dispatch::attend_vq_table`] plans it, else `kvq_attend_vq`
 //! (centroids gathered).
 
-use super::backend::{Arg, KeyBufs, ValueBufs, encode, key_bufs, output, value_bufs};
+use super::backend::{Arg, KeyBufs, ValueBufs, encode, key_bufs, merges, output, value_bufs};
 use super::dispatch::{self, AttendPlan};
 use super::ops::offset;
 use super::params::{AsBytes, CombineParams, QjlAttendParams, ScalarAttendParams};
@@ -79,9 +80,13 @@ pub(crate) fn attend_fwd(
         }
         Ok(())
     };
-    let part_of =
-        |plan: &AttendPlan| output(&dev, nh * t * plan.n_splits * width * 4, "kvq-attend-part");
-    let (plan, part) = match (&kd.spec, &vd.spec, &*kb, &*vb) {
+    // Whether the kernel merges its own splits (one dispatch; `backend::merges`).
+    let merged = |plan: &AttendPlan, file: &'static str| -> Result<u32> {
+        Ok(u32::from(plan.n_splits > 1 && merges(&dev, file)?))
+    };
+    // Each kernel's plan, library and name, its arguments before the partial rows, its
+    // parameters' bytes, and whether it merges.
+    let (plan, file, name, head, bytes, merge) = match (&kd.spec, &vd.spec, &*kb, &*vb) {
         (
             KeySpec::Scalar(ks),
             ValueSpec::Scalar(vs),
@@ -89,28 +94,22 @@ pub(crate) fn attend_fwd(
             ValueBufs::Scalar(vx),
         ) => {
             let plan = dispatch::attend_scalar(nh, kvh, t, d, max_rows).map_err(plan_err)?;
-            let prm = ScalarAttendParams::new(&plan, &p, n, d, ks, vs)
+            let mut prm = ScalarAttendParams::new(&plan, &p, n, d, ks, vs)
                 .ok_or_else(|| range("a position"))?;
             widths(prm.kcb, prm.vcb)?;
-            let part = part_of(&plan)?;
-            encode(
-                &dev,
-                "turboquant_mse/attend",
-                "kvq_attend_scalar",
-                plan.attend,
-                &[
-                    qa,
-                    ka,
-                    va,
-                    Arg::In(&kx.levels, 0),
-                    Arg::In(&kx.signs, 0),
-                    Arg::In(&vx.levels, 0),
-                    Arg::In(&vx.signs, 0),
-                    Arg::Out(&part, 0),
-                    Arg::Bytes(prm.as_bytes()),
-                ],
-            )?;
-            (plan, part)
+            let file = "turboquant_mse/attend";
+            prm.merge = merged(&plan, file)?;
+            let head = vec![
+                qa,
+                ka,
+                va,
+                Arg::In(&kx.levels, 0),
+                Arg::In(&kx.signs, 0),
+                Arg::In(&vx.levels, 0),
+                Arg::In(&vx.signs, 0),
+            ];
+            let name = "kvq_attend_scalar";
+            (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }
         (
             KeySpec::ScalarSketch { scalar, sketch },
@@ -120,29 +119,23 @@ pub(crate) fn attend_fwd(
         ) => {
             let plan =
                 dispatch::attend_prod(nh, kvh, t, d, sketch.m, max_rows).map_err(plan_err)?;
-            let prm = ScalarAttendParams::prod(&plan, &p, n, d, scalar, sketch.m, vs)
+            let mut prm = ScalarAttendParams::prod(&plan, &p, n, d, scalar, sketch.m, vs)
                 .ok_or_else(|| range("a position or the sketch"))?;
             widths(prm.kcb, prm.vcb)?;
-            let part = part_of(&plan)?;
-            encode(
-                &dev,
-                "turboquant_prod/attend",
-                "kvq_attend_prod",
-                plan.attend,
-                &[
-                    qa,
-                    ka,
-                    va,
-                    Arg::In(&kx.levels, 0),
-                    Arg::In(&kx.signs, 0),
-                    Arg::In(&vx.levels, 0),
-                    Arg::In(&vx.signs, 0),
-                    Arg::In(mats, 0),
-                    Arg::Out(&part, 0),
-                    Arg::Bytes(prm.as_bytes()),
-                ],
-            )?;
-            (plan, part)
+            let file = "turboquant_prod/attend";
+            prm.merge = merged(&plan, file)?;
+            let head = vec![
+                qa,
+                ka,
+                va,
+                Arg::In(&kx.levels, 0),
+                Arg::In(&kx.signs, 0),
+                Arg::In(&vx.levels, 0),
+                Arg::In(&vx.signs, 0),
+                Arg::In(mats, 0),
+            ];
+            let name = "kvq_attend_prod";
+            (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }
         (
             KeySpec::Sketch { sketch, outliers },
@@ -151,25 +144,14 @@ pub(crate) fn attend_fwd(
             ValueBufs::Group,
         ) => {
             let plan = dispatch::attend_qjl(nh, kvh, t, d, sketch.m, max_rows).map_err(plan_err)?;
-            let prm = QjlAttendParams::new(&plan, &p, n, d, sketch.m, *outliers, *bits, *group)
+            let mut prm = QjlAttendParams::new(&plan, &p, n, d, sketch.m, *outliers, *bits, *group)
                 .ok_or_else(|| range("a position or code layout"))?;
             widths(prm.kcb, prm.vcb)?;
-            let part = part_of(&plan)?;
-            encode(
-                &dev,
-                "qjl/attend",
-                "kvq_attend_qjl",
-                plan.attend,
-                &[
-                    qa,
-                    ka,
-                    va,
-                    Arg::In(mats, 0),
-                    Arg::Out(&part, 0),
-                    Arg::Bytes(prm.as_bytes()),
-                ],
-            )?;
-            (plan, part)
+            let file = "qjl/attend";
+            prm.merge = merged(&plan, file)?;
+            let head = vec![qa, ka, va, Arg::In(mats, 0)];
+            let name = "kvq_attend_qjl";
+            (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }
         (
             KeySpec::ProductVq(ks),
@@ -186,32 +168,60 @@ pub(crate) fn attend_fwd(
                 Some(plan) => plan,
                 None => dispatch::attend_vq(nh, kvh, t, d, max_rows).map_err(plan_err)?,
             };
-            let prm = ScalarAttendParams::vq(&plan, &p, n, d, ks, vs)
+            let mut prm = ScalarAttendParams::vq(&plan, &p, n, d, ks, vs)
                 .ok_or_else(|| range("a position or the codebooks"))?;
             widths(prm.kcb, prm.vcb)?;
-            let part = part_of(&plan)?;
-            let (head, tail) = (
-                [qa, ka, va, Arg::In(&kx.books, 0), Arg::In(&kx.signs, 0)],
-                [
-                    Arg::In(&vx.books, 0),
-                    Arg::In(&vx.signs, 0),
-                    Arg::Out(&part, 0),
-                    Arg::Bytes(prm.as_bytes()),
-                ],
-            );
-            let (name, mid) = match table {
-                Some(_) => (
-                    "kvq_attend_vq_lut",
-                    vec![Arg::In(lambda, 0), Arg::In(norms, 0)],
-                ),
-                None => ("kvq_attend_vq", vec![Arg::In(lambda, 0)]),
+            let file = "vecinfer/attend";
+            prm.merge = merged(&plan, file)?;
+            let mut head = vec![
+                qa,
+                ka,
+                va,
+                Arg::In(&kx.books, 0),
+                Arg::In(&kx.signs, 0),
+                Arg::In(lambda, 0),
+            ];
+            let name = match table {
+                Some(_) => {
+                    head.push(Arg::In(norms, 0));
+                    "kvq_attend_vq_lut"
+                }
+                None => "kvq_attend_vq",
             };
-            let args: Vec<Arg<'_>> = head.into_iter().chain(mid).chain(tail).collect();
-            encode(&dev, "vecinfer/attend", name, plan.attend, &args)?;
-            (plan, part)
+            head.extend([Arg::In(&vx.books, 0), Arg::In(&vx.signs, 0)]);
+            (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }
         _ => bail!("metal: no fused attention kernel for this key / value pair"),
     };
+    let part = output(&dev, nh * t * plan.n_splits * width * 4, "kvq-attend-part")?;
+    // Merging: the merged rows, and one split counter per (query row, kv head, head chunk),
+    // zero. Otherwise the kernel never touches those two arguments: the partial rows stand in.
+    let merged_out = match merge {
+        true => Some((
+            output(&dev, nh * t * width * 4, "kvq-attend-out")?,
+            dev.new_buffer_with_data(&vec![0u32; plan.t * kvh * plan.hchunks])?,
+        )),
+        false => None,
+    };
+    let (out_arg, counters_arg) = match &merged_out {
+        Some((o, c)) => (o, c),
+        None => (&part, &part),
+    };
+    let mut args = head;
+    args.extend([
+        Arg::Out(&part, 0),
+        Arg::Out(out_arg, 0),
+        Arg::Out(counters_arg, 0),
+        Arg::Bytes(bytes),
+    ]);
+    encode(&dev, file, name, plan.attend, &args)?;
+    if let Some((out, _)) = merged_out {
+        // The kernel's last split threadgroups merged: one dispatch.
+        return Ok((
+            MetalStorage::new(out, dev, nh * t * width, DType::F32),
+            Shape::from((nh, t, width)),
+        ));
+    }
     if plan.n_splits == 1 {
         // One split: its partial rows are already the merged state (the combine would multiply
         // each by exp(0) = 1 and add nothing), so a call is one dispatch.
@@ -220,6 +230,7 @@ pub(crate) fn attend_fwd(
             Shape::from((nh, t, width)),
         ));
     }
+    // Split, without MSL 3.2: kvq_combine merges the splits in a second dispatch.
     let out = output(&dev, nh * t * width * 4, "kvq-attend-out")?;
     let cp = CombineParams {
         rows: u32::try_from(nh * t).map_err(|_| range("the row count"))?,

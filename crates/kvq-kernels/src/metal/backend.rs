@@ -1,6 +1,7 @@
 //! The Metal runtime of the ops (the `metal` feature, Apple only): every `.metal` file of
 //! `kernels/metal` embedded with `include_str!` and compiled once per device at first use
-//! (`new_library_with_source`), pipelines built once per device and kernel and cached, the
+//! (`new_library_with_source`, IEEE math, MSL 3.2 where the OS has it), pipelines built once
+//! per device and kernel and cached, the
 //! codecs' parameter arrays uploaded once per device, and one function that encodes a dispatch
 //! from a [`Dispatch`] (always `dispatch_thread_groups`: the geometry is in threadgroups).
 
@@ -9,7 +10,8 @@ use crate::KernelData;
 use crate::spec::{KeySpec, ScalarSpec, ValueSpec, VqSpec};
 use candle_core::{MetalDevice, Result, bail};
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
-use objc2_metal::MTLSize;
+use objc2::rc::Retained;
+use objc2_metal::{MTLCompileOptions, MTLLanguageVersion, MTLSize};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,7 +19,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// The kernel sources, one library each, by the name the dispatches use. Most are one file; a
 /// file that builds on another's helpers (`attend_codes`, `scalar_encode_row`, `fwht_row`) is
 /// compiled after it in one library, as the emulator (crates/kvq-metal-emu/cpp/kernels.cpp)
-/// includes them.
+/// includes them. The attention libraries start with common/combine.metal: its `merge_if_last`
+/// ends their kernels.
 pub const SOURCES: [(&str, &str); 9] = [
     (
         "common/bitpack",
@@ -33,7 +36,10 @@ pub const SOURCES: [(&str, &str); 9] = [
     ),
     (
         "turboquant_mse/attend",
-        include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
+        concat!(
+            include_str!("../../../../kernels/metal/common/combine.metal"),
+            include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
+        ),
     ),
     (
         "turboquant_prod/encode",
@@ -45,6 +51,7 @@ pub const SOURCES: [(&str, &str); 9] = [
     (
         "turboquant_prod/attend",
         concat!(
+            include_str!("../../../../kernels/metal/common/combine.metal"),
             include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
             include_str!("../../../../kernels/metal/turboquant_prod/attend.metal"),
         ),
@@ -55,12 +62,16 @@ pub const SOURCES: [(&str, &str); 9] = [
     ),
     (
         "qjl/attend",
-        include_str!("../../../../kernels/metal/qjl/attend.metal"),
+        concat!(
+            include_str!("../../../../kernels/metal/common/combine.metal"),
+            include_str!("../../../../kernels/metal/qjl/attend.metal"),
+        ),
     ),
     (
         // kvq_attend_vq and kvq_attend_vq_lut.
         "vecinfer/attend",
         concat!(
+            include_str!("../../../../kernels/metal/common/combine.metal"),
             include_str!("../../../../kernels/metal/turboquant_mse/attend.metal"),
             include_str!("../../../../kernels/metal/vecinfer/attend.metal"),
         ),
@@ -84,6 +95,65 @@ fn err(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
 
 type Key = (candle_core::metal_backend::DeviceId, &'static str);
 
+/// Compile options of every kvq library: IEEE float semantics (Metal's default is fast math,
+/// which may assume away the infinities the attention compares with: an empty split's max, the
+/// softmax's first tile) and, when given, the language version.
+fn options(version: Option<MTLLanguageVersion>) -> Retained<MTLCompileOptions> {
+    let o = MTLCompileOptions::new();
+    #[allow(deprecated)] // mathMode is macOS 15+; this setter works on every version
+    o.setFastMathEnabled(false);
+    if let Some(v) = version {
+        o.setLanguageVersion(v);
+    }
+    o
+}
+
+/// A compiled library and whether it was compiled as MSL 3.2 (`merge_if_last` present).
+type Compiled = (Arc<Library>, bool);
+
+/// The library of source file `file` on `dev`, compiled once per device: as MSL 3.2 where the
+/// OS takes it, else at the OS's default version (the split merge then compiles to nothing).
+fn library(dev: &MetalDevice, file: &'static str) -> Result<Compiled> {
+    static LIBRARIES: OnceLock<Mutex<HashMap<Key, Compiled>>> = OnceLock::new();
+    let mut libs = LIBRARIES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = libs.get(&(dev.id(), file)) {
+        return Ok(l.clone());
+    }
+    let Some((_, src)) = SOURCES
+        .iter()
+        .chain(std::iter::once(&NEAREST_SOURCE))
+        .find(|(f, _)| *f == file)
+    else {
+        bail!("metal: no kernel source {file}")
+    };
+    let md = dev.metal_device();
+    let (v32, default) = (options(Some(MTLLanguageVersion::Version3_2)), options(None));
+    let compiled = match md.new_library_with_source(src, Some(&*v32)) {
+        Ok(lib) => (Arc::new(lib), true),
+        Err(_) => {
+            let lib = md
+                .new_library_with_source(src, Some(&*default))
+                .map_err(|e| err(file, e))?;
+            (Arc::new(lib), false)
+        }
+    };
+    libs.insert((dev.id(), file), compiled.clone());
+    Ok(compiled)
+}
+
+/// Whether the attention kernels of library `file` on `dev` merge their splits themselves (MSL
+/// 3.2: one dispatch a decode step); `KVQ_METAL_MERGE=0` turns it off (two dispatches, as
+/// without 3.2), for comparing the two on a Mac.
+pub fn merges(dev: &MetalDevice, file: &'static str) -> Result<bool> {
+    if std::env::var("KVQ_METAL_MERGE").is_ok_and(|v| v == "0") {
+        return Ok(false);
+    }
+    Ok(library(dev, file)?.1)
+}
+
 /// The pipeline of kernel `name` from source file `file` on `dev`: the file compiled once per
 /// device, the pipeline built once per device and kernel.
 pub fn pipeline(
@@ -91,7 +161,6 @@ pub fn pipeline(
     file: &'static str,
     name: &'static str,
 ) -> Result<Arc<ComputePipeline>> {
-    static LIBRARIES: OnceLock<Mutex<HashMap<Key, Arc<Library>>>> = OnceLock::new();
     static PIPELINES: OnceLock<Mutex<HashMap<Key, Arc<ComputePipeline>>>> = OnceLock::new();
     let id = dev.id();
     let mut pipes = PIPELINES
@@ -101,31 +170,7 @@ pub fn pipeline(
     if let Some(p) = pipes.get(&(id, name)) {
         return Ok(p.clone());
     }
-    let lib = {
-        let mut libs = LIBRARIES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        match libs.get(&(id, file)) {
-            Some(l) => l.clone(),
-            None => {
-                let Some((_, src)) = SOURCES
-                    .iter()
-                    .chain(std::iter::once(&NEAREST_SOURCE))
-                    .find(|(f, _)| *f == file)
-                else {
-                    bail!("metal: no kernel source {file}")
-                };
-                let lib = dev
-                    .metal_device()
-                    .new_library_with_source(src, None)
-                    .map_err(|e| err(file, e))?;
-                let lib = Arc::new(lib);
-                libs.insert((id, file), lib.clone());
-                lib
-            }
-        }
-    };
+    let (lib, _) = library(dev, file)?;
     let f = lib.get_function(name, None).map_err(|e| err(name, e))?;
     let p = dev
         .metal_device()

@@ -98,7 +98,8 @@ pub const TARGET_THREADGROUPS: usize = 256;
 
 /// The geometry of one fused decode attention over all heads and query rows of a layer: which
 /// query heads share a threadgroup, how the code rows are split, and the two dispatches
-/// (attention, then the split merge).
+/// (attention, then the split merge where the attention's own last threadgroups do not merge:
+/// without MSL 3.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttendPlan {
     pub n_heads: usize,
@@ -116,7 +117,8 @@ pub struct AttendPlan {
     pub n_splits: usize,
     /// `kvq_attend_scalar`: one threadgroup per (query row, kv head, head chunk, split), 1-D.
     pub attend: Dispatch,
-    /// `kvq_combine`: one threadgroup per (query head, query row).
+    /// `kvq_combine`: one threadgroup per (query head, query row); dispatched only when the
+    /// rows are split and the attention library is not MSL 3.2 (`backend::merges`).
     pub combine: Dispatch,
 }
 

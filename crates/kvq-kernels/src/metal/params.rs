@@ -123,6 +123,9 @@ pub struct ScalarAttendParams {
     pub vsub: u32,
     pub kbooks: u32,
     pub vbooks: u32,
+    /// 1: the last split threadgroup merges the splits into the merged rows (one dispatch; the
+    /// library must be MSL 3.2, `backend::merges`); 0: `kvq_combine` does, or one split.
+    pub merge: u32,
 }
 
 impl ScalarAttendParams {
@@ -163,6 +166,7 @@ impl ScalarAttendParams {
             vsub: 0,
             kbooks: 0,
             vbooks: 0,
+            merge: 0,
         })
     }
 
@@ -304,6 +308,8 @@ pub struct QjlAttendParams {
     pub vgroup: u32,
     pub vcb: u32,
     pub scale: f32,
+    /// As [`ScalarAttendParams::merge`].
+    pub merge: u32,
 }
 
 impl QjlAttendParams {
@@ -355,6 +361,7 @@ impl QjlAttendParams {
             vgroup: u(vgroup)?,
             vcb: u(4 * (d / vgroup) + d * vbits as usize / 8)?,
             scale: p.scale,
+            merge: 0,
         })
     }
 }
@@ -424,7 +431,8 @@ as_bytes!(
     ksub,
     vsub,
     kbooks,
-    vbooks
+    vbooks,
+    merge
 );
 as_bytes!(
     QjlAttendParams,
@@ -450,7 +458,8 @@ as_bytes!(
     vbits,
     vgroup,
     vcb,
-    scale
+    scale,
+    merge
 );
 as_bytes!(CombineParams, rows, n_splits, d, normalize);
 

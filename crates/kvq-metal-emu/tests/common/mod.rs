@@ -5,22 +5,18 @@
 //! uses part of it.
 #![allow(dead_code)]
 
+mod cases;
+
+pub use cases::*;
+
 use candle_core::{Device, Tensor};
 use kvq_cache::codec::rng::SplitMix;
-use kvq_cache::compressed::{KeyCodec, ValueCodec};
-use kvq_cache::methods::qjl::{GroupCodec, QjlKeyCodec};
-use kvq_cache::methods::turboquant_mse::MseCodec;
-use kvq_cache::methods::turboquant_prod::ProdKeyCodec;
-use kvq_cache::methods::turboquant_rvq::RvqCodec;
-use kvq_cache::methods::vecinfer::codec::{ValueAccum, VqKeyCodec, VqValueCodec};
 use kvq_kernels::metal::dispatch::{self, AttendPlan};
 use kvq_kernels::metal::params::{
     AsBytes, CombineParams, QjlAttendParams, ScalarAttendParams, vq_book_norms,
 };
-use kvq_kernels::spec::{KeySpec, ScalarSpec, SketchSpec, ValueSpec, VqSpec};
 use kvq_kernels::{AttendParams, compressed_attend, encode_keys, encode_values};
 use kvq_metal_emu::{Order, f32_bytes, run};
-use std::sync::Arc;
 
 pub const KVH: usize = 2;
 /// fp32 throughout: the kernel and the CPU op differ only in summation order.
@@ -30,167 +26,6 @@ pub const BOUND: f64 = 1e-4;
 pub const TABLE_BOUND: f64 = 1e-3;
 /// VecInfer's table kernel.
 pub const VQ_TABLE: &str = "kvq_attend_vq_lut";
-
-/// What the emulated kernel reads besides the codes: the codecs' specs.
-pub enum Spec {
-    Scalar {
-        k: ScalarSpec,
-        v: ScalarSpec,
-    },
-    Prod {
-        k: ScalarSpec,
-        sketch: SketchSpec,
-        v: ScalarSpec,
-    },
-    Qjl {
-        m: usize,
-        outliers: usize,
-        mats: Vec<f32>,
-        vbits: u32,
-        vgroup: usize,
-    },
-    Vq {
-        k: VqSpec,
-        v: VqSpec,
-    },
-}
-
-impl Spec {
-    /// The attention kernel of this layout.
-    pub fn kernel(&self) -> &'static str {
-        match self {
-            Spec::Scalar { .. } => "kvq_attend_scalar",
-            Spec::Prod { .. } => "kvq_attend_prod",
-            Spec::Qjl { .. } => "kvq_attend_qjl",
-            Spec::Vq { .. } => "kvq_attend_vq",
-        }
-    }
-}
-
-pub struct Case {
-    pub name: String,
-    pub keys: Arc<dyn KeyCodec>,
-    pub values: Arc<dyn ValueCodec>,
-    pub spec: Spec,
-}
-
-pub fn case(name: String, keys: Arc<dyn KeyCodec>, values: Arc<dyn ValueCodec>) -> Case {
-    let ks = keys.kernel_data().map(|k| k.spec.clone());
-    let vs = values.kernel_data().map(|v| v.spec.clone());
-    let spec = match (ks, vs) {
-        (Some(KeySpec::Scalar(k)), Some(ValueSpec::Scalar(v))) => Spec::Scalar { k, v },
-        (Some(KeySpec::ScalarSketch { scalar, sketch }), Some(ValueSpec::Scalar(v))) => {
-            Spec::Prod {
-                k: scalar,
-                sketch,
-                v,
-            }
-        }
-        (Some(KeySpec::Sketch { sketch, outliers }), Some(ValueSpec::Group { bits, group })) => {
-            Spec::Qjl {
-                m: sketch.m,
-                outliers,
-                mats: sketch.matrices.to_vec(),
-                vbits: bits,
-                vgroup: group,
-            }
-        }
-        (Some(KeySpec::ProductVq(k)), Some(ValueSpec::ProductVq(v))) => Spec::Vq { k, v },
-        other => panic!("{name}: no Metal attention for {other:?}"),
-    };
-    Case {
-        name,
-        keys,
-        values,
-        spec,
-    }
-}
-
-/// TurboQuant-MSE at `bits` (keys and values with their own rotations: other seeds).
-pub fn mse(d: usize, bits: u32) -> Case {
-    let k = MseCodec::new(d, KVH, bits, 3, 11).expect("mse keys");
-    let v = MseCodec::new(d, KVH, bits, 3, 12).expect("mse values");
-    case(format!("mse-{bits}"), Arc::new(k), Arc::new(v))
-}
-
-pub fn rvq(d: usize, bits: u32) -> Case {
-    let k = RvqCodec::new(d, KVH, bits, 3, 11).expect("rvq keys");
-    let v = RvqCodec::new(d, KVH, bits, 3, 12).expect("rvq values");
-    case(format!("rvq-{bits}"), Arc::new(k), Arc::new(v))
-}
-
-/// TurboQuant-Prod at `bits` (an MSE stage of `bits - 1`, the residual sketch, MSE values of
-/// `bits`), as the method builds it.
-pub fn prod(d: usize, bits: u32) -> Case {
-    let k = ProdKeyCodec::new(d, KVH, bits, 3, 11).expect("prod keys");
-    let v = MseCodec::new(d, KVH, bits, 3, 12).expect("mse values");
-    case(format!("prod-{bits}"), Arc::new(k), Arc::new(v))
-}
-
-/// QJL at sketch dimension `m` with `outliers` exact channels, values at `vbits` in groups of
-/// `vgroup`.
-pub fn qjl(d: usize, m: usize, outliers: usize, vbits: u32, vgroup: usize) -> Case {
-    let k = QjlKeyCodec::new(d, KVH, m, outliers, 3, 11).expect("qjl keys");
-    let v = GroupCodec::new(d, vbits, vgroup).expect("qjl values");
-    case(
-        format!("qjl m{m} o{outliers} v{vbits}/{vgroup}"),
-        Arc::new(k),
-        Arc::new(v),
-    )
-}
-
-/// QJL's codecs as cuda_parity.rs runs them: the sketch sizes of the 3- and 4-bit presets (one
-/// and four exact outlier channels), values at 2 and 4 bits in groups of 64; and 8-bit values in
-/// groups of 32 with no outliers.
-pub fn qjl_cases(d: usize) -> Vec<Case> {
-    vec![
-        qjl(d, 3 * d - d / 8 * 3, 1, 2, 64.min(d)),
-        qjl(d, 4 * d + 8, 4, 4, 64.min(d)),
-        qjl(d, 2 * d, 0, 8, 32),
-    ]
-}
-
-/// VecInfer codebooks and smoothing factors as calibration would give them, made up: `[books]
-/// [256][sub]` Gaussian centroids (scaled to the coded vectors' spread), lambdas in [0.5, 2).
-pub fn vq_books(d: usize, sub: usize, per_position: bool, seed: u64) -> Vec<f32> {
-    let books = if per_position { d / sub } else { 1 };
-    let mut r = SplitMix::new(seed);
-    r.gauss_vec(books * 256 * sub)
-        .into_iter()
-        .map(|x| 0.9 * x)
-        .collect()
-}
-
-pub fn vq_lambda(d: usize, seed: u64) -> Vec<f32> {
-    let mut r = SplitMix::new(seed);
-    (0..KVH * d)
-        .map(|_| 0.5 + 1.5 * (r.next_u64() >> 11) as f32 / (1u64 << 53) as f32)
-        .collect()
-}
-
-/// VecInfer's key and value codecs at sub-vector length `sub`, codebooks shared or one per
-/// sub-position, values accumulated as the method does (histogram for long runs).
-pub fn vq(d: usize, sub: usize, per_position: bool) -> Case {
-    let lambda = vq_lambda(d, 41);
-    let k = VqKeyCodec::new(d, sub, 3, 11, &lambda, &vq_books(d, sub, per_position, 42))
-        .expect("vq keys");
-    let v = VqValueCodec::new(
-        d,
-        sub,
-        3,
-        11,
-        KVH,
-        &vq_books(d, sub, per_position, 43),
-        ValueAccum::Auto(256),
-    )
-    .expect("vq values");
-    let books = if per_position {
-        "per position"
-    } else {
-        "shared"
-    };
-    case(format!("vq s{sub} {books}"), Arc::new(k), Arc::new(v))
-}
 
 pub fn decode_params(n: usize, d: usize) -> AttendParams {
     AttendParams {
@@ -272,9 +107,15 @@ pub fn max_rows(x: &Inputs) -> usize {
         .unwrap_or(0)
 }
 
-/// The plan and buffers (the partial rows empty, at index `len - 2`) of `c`'s attention kernel
-/// on `x`, as `metal_fwd` binds them.
-fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>), String> {
+/// The plan and buffers of `c`'s attention kernel on `x`, as `metal_fwd` binds them: the partial
+/// rows, merged rows and split counters empty, at indices `len - 4`, `len - 3` and `len - 2`.
+/// With `merge` (and more than one split) the kernel's last split threadgroups merge.
+fn bind(
+    c: &Case,
+    x: &Inputs,
+    attend: &str,
+    merge: bool,
+) -> Result<(AttendPlan, Vec<Vec<u8>>), String> {
     let (q, kc, vc) = (f32_bytes(&x.q), x.kc.clone(), x.vc.clone());
     let (nh, t, d, n, mr) = (x.nh, x.t, x.d, x.n, max_rows(x));
     let widths = |kcb: u32, vcb: u32| match kcb as usize == c.keys.code_bytes()
@@ -298,7 +139,9 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
                 f32_bytes(&v.levels),
                 f32_bytes(&v.signs),
                 Vec::new(),
-                prm.as_bytes(),
+                Vec::new(),
+                Vec::new(),
+                merged(prm, &plan, merge).as_bytes(),
             ];
             (plan, bufs)
         }
@@ -317,7 +160,9 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
                 f32_bytes(&v.signs),
                 f32_bytes(&sketch.matrices),
                 Vec::new(),
-                prm.as_bytes(),
+                Vec::new(),
+                Vec::new(),
+                merged(prm, &plan, merge).as_bytes(),
             ];
             (plan, bufs)
         }
@@ -329,13 +174,21 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
             vgroup,
         } => {
             let plan = dispatch::attend_qjl(nh, KVH, t, d, *m, mr)?;
-            let prm = QjlAttendParams::new(&plan, &x.p, n, d, *m, *outliers, *vbits, *vgroup)
+            let mut prm = QjlAttendParams::new(&plan, &x.p, n, d, *m, *outliers, *vbits, *vgroup)
                 .ok_or("parameters out of range")?;
             widths(prm.kcb, prm.vcb)?;
-            (
-                plan,
-                vec![q, kc, vc, f32_bytes(mats), Vec::new(), prm.as_bytes()],
-            )
+            prm.merge = u32::from(merge && plan.n_splits > 1);
+            let bufs = vec![
+                q,
+                kc,
+                vc,
+                f32_bytes(mats),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                prm.as_bytes(),
+            ];
+            (plan, bufs)
         }
         Spec::Vq { k, v } if attend.ends_with(VQ_TABLE) => {
             let plan = dispatch::attend_vq_table(nh, KVH, t, d, k.sub, mr)?
@@ -354,7 +207,9 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
                 f32_bytes(&v.books),
                 f32_bytes(&v.signs),
                 Vec::new(),
-                prm.as_bytes(),
+                Vec::new(),
+                Vec::new(),
+                merged(prm, &plan, merge).as_bytes(),
             ];
             (plan, bufs)
         }
@@ -373,7 +228,9 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
                 f32_bytes(&v.books),
                 f32_bytes(&v.signs),
                 Vec::new(),
-                prm.as_bytes(),
+                Vec::new(),
+                Vec::new(),
+                merged(prm, &plan, merge).as_bytes(),
             ];
             (plan, bufs)
         }
@@ -381,24 +238,92 @@ fn bind(c: &Case, x: &Inputs, attend: &str) -> Result<(AttendPlan, Vec<Vec<u8>>)
     Ok(out)
 }
 
-/// Runs attention kernel `attend` on the emulator: the plan and its partial rows (poisoned with
-/// NaN first, every slot checked written).
+/// `prm` with the merge asked for when `merge` and `plan` splits.
+fn merged(mut prm: ScalarAttendParams, plan: &AttendPlan, merge: bool) -> ScalarAttendParams {
+    prm.merge = u32::from(merge && plan.n_splits > 1);
+    prm
+}
+
+/// What one emulated attention dispatch left.
+struct Run {
+    plan: AttendPlan,
+    /// The partial rows, every slot written.
+    part: Vec<u8>,
+    /// Merging over several splits: the merged rows.
+    merged: Option<Vec<u8>>,
+}
+
+/// Runs attention kernel `attend` on the emulator, merging its own splits with `merge`: the
+/// plan, its partial rows (poisoned with NaN first, every slot checked written) and, merging
+/// over several splits, the merged rows (poisoned too; the split counters start at zero and
+/// must each have counted every split).
+fn emu_run(c: &Case, x: &Inputs, attend: &str, order: Order, merge: bool) -> Result<Run, String> {
+    let (plan, mut bufs) = bind(c, x, attend, merge)?;
+    let (ps, os, cs) = (bufs.len() - 4, bufs.len() - 3, bufs.len() - 2);
+    let merging = merge && plan.n_splits > 1;
+    let counters = x.t * KVH * plan.hchunks;
+    bufs[ps] = nan_bytes(x.nh * x.t * plan.n_splits * (x.d + 2));
+    if merging {
+        bufs[os] = nan_bytes(x.nh * x.t * (x.d + 2));
+        bufs[cs] = vec![0; 4 * counters];
+    }
+    let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    run(attend, plan.attend, order, &mut refs).map_err(|e| e.to_string())?;
+    if let Some(i) = floats(&bufs[ps]).iter().position(|v| v.is_nan()) {
+        return Err(format!("partial slot {i} of the attention left unwritten"));
+    }
+    if !merging {
+        let part = bufs.swap_remove(ps);
+        return Ok(Run {
+            plan,
+            part,
+            merged: None,
+        });
+    }
+    let counts: Vec<u32> = bufs[cs]
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if let Some(i) = counts.iter().position(|&n| n as usize != plan.n_splits) {
+        return Err(format!(
+            "split counter {i} counted {} of {} splits",
+            counts[i], plan.n_splits
+        ));
+    }
+    let merged = Some(bufs.swap_remove(os));
+    Ok(Run {
+        plan,
+        part: bufs.swap_remove(ps),
+        merged,
+    })
+}
+
+/// Runs attention kernel `attend` on the emulator (no merge): the plan and its partial rows
+/// (poisoned with NaN first, every slot checked written).
 pub fn emu_part(
     c: &Case,
     x: &Inputs,
     attend: &str,
     order: Order,
 ) -> Result<(AttendPlan, Vec<u8>), String> {
-    let (plan, mut bufs) = bind(c, x, attend)?;
-    let slot = bufs.len() - 2;
-    bufs[slot] = nan_bytes(x.nh * x.t * plan.n_splits * (x.d + 2));
-    let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    run(attend, plan.attend, order, &mut refs).map_err(|e| e.to_string())?;
-    let part = bufs.swap_remove(slot);
-    if let Some(i) = floats(&part).iter().position(|v| v.is_nan()) {
-        return Err(format!("partial slot {i} of the attention left unwritten"));
+    let run = emu_run(c, x, attend, order, false)?;
+    Ok((run.plan, run.part))
+}
+
+/// The attention with its last split threadgroups merging (the MSL 3.2 path: one dispatch) on
+/// the emulator: the merged rows `[nh][t][d + 2]` (one split: the partial rows) and the plan.
+pub fn emu_merged(
+    c: &Case,
+    x: &Inputs,
+    attend: &str,
+    order: Order,
+) -> Result<(Vec<f32>, AttendPlan), String> {
+    let run = emu_run(c, x, attend, order, true)?;
+    let rows = floats(run.merged.as_deref().unwrap_or(&run.part));
+    if let Some(i) = rows.iter().position(|v| v.is_nan()) {
+        return Err(format!("merged slot {i} left unwritten"));
     }
-    Ok((plan, part))
+    Ok((rows, run.plan))
 }
 
 /// The attention (`attend` kernel) then the combine (`combine` kernel, `normalize` 0 or 1) on
@@ -472,9 +397,10 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// The emulated attention against the CPU op on `x`: Ok when the relative L2 of the normalized
-/// outputs and the largest log-sum-exp difference (relative to the log-sum-exp where that is
-/// over 1) are under [`BOUND`] ([`TABLE_BOUND`] for VecInfer's table kernel).
+/// The emulated attention against the CPU op on `x`, its splits merged both ways ([`errors`]):
+/// Ok when the relative L2 of the normalized outputs and the largest log-sum-exp difference
+/// (relative to the log-sum-exp where that is over 1) are under [`BOUND`] ([`TABLE_BOUND`] for
+/// VecInfer's table kernel).
 pub fn check(
     c: &Case,
     x: &Inputs,
@@ -497,7 +423,9 @@ pub fn check(
 }
 
 /// The relative L2 error of the normalized outputs and the largest log-sum-exp difference
-/// (relative where the log-sum-exp is over 1) of the emulated kernels against the CPU op.
+/// (relative where the log-sum-exp is over 1) of the emulated kernels against the CPU op, the
+/// worse of the two ways a split decode is merged: `combine` in a second dispatch, and the
+/// attention's own last threadgroups (the MSL 3.2 path).
 pub fn errors(
     c: &Case,
     x: &Inputs,
@@ -505,8 +433,21 @@ pub fn errors(
     combine: &str,
     order: Order,
 ) -> Result<(f64, f64, AttendPlan), String> {
-    let (got, plan) = emu_attend(c, x, attend, combine, 0, order)?;
-    let (og, lg) = normalized(&got, x.d)?;
+    let (two, plan) = emu_attend(c, x, attend, combine, 0, order)?;
+    let (e2, dl2) = against_cpu(&two, x)?;
+    if plan.n_splits == 1 {
+        // Nothing to merge: emu_attend checked the partial rows are the combine's output.
+        return Ok((e2, dl2, plan));
+    }
+    let (one, _) = emu_merged(c, x, attend, order)?;
+    let (e1, dl1) = against_cpu(&one, x)?;
+    Ok((e2.max(e1), dl2.max(dl1), plan))
+}
+
+/// The relative L2 error of `got`'s normalized outputs against the CPU op's and the largest
+/// log-sum-exp difference.
+fn against_cpu(got: &[f32], x: &Inputs) -> Result<(f64, f64), String> {
+    let (og, lg) = normalized(got, x.d)?;
     let (oc, lc) = normalized(&x.cpu, x.d)?;
     let dl = lg
         .iter()
@@ -519,7 +460,7 @@ pub fn errors(
             }
         })
         .fold(0.0, f64::max);
-    Ok((rel_l2(&og, &oc), dl, plan))
+    Ok((rel_l2(&og, &oc), dl))
 }
 
 /// A negative control: on decode over 3000 positions with range `p` (head dim 64, 4 query heads
