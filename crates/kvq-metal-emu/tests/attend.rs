@@ -15,8 +15,8 @@
 mod common;
 
 use common::{
-    Case, assert_caught_at, check, decode_params, emu_attend, inputs, mse, normalized, qjl,
-    qjl_cases, rel_l2, rvq,
+    Case, assert_caught_at, check, decode_params, emu_attend, inputs, mse, normalized,
+    prefill_params, qjl, qjl_cases, rel_l2, rolled_params, rvq,
 };
 use kvq_kernels::AttendParams;
 use kvq_metal_emu::{ORDERS, Order};
@@ -71,19 +71,8 @@ fn head_dim_256_equals_the_cpu_op() {
 fn scalar_attend_ranges_equal_the_cpu_op() {
     let c = mse(64, 3);
     let pos = 5000;
-    let rolled = AttendParams {
-        scale: 0.125,
-        first_pos: pos,
-        window: 64,
-        sinks: 4,
-        sliding_window: Some(2048),
-        code_first: pos + 1 - 2048,
-        exact_before: 16,
-    };
-    let prefill = AttendParams {
-        first_pos: 700 - 4,
-        ..decode_params(700, 64)
-    };
+    let rolled = rolled_params(pos, 2048);
+    let prefill = prefill_params(700, 5, 64);
     let exact = AttendParams {
         exact_before: usize::MAX,
         ..decode_params(100, 64)
@@ -254,19 +243,8 @@ fn qjl_attend_ranges_equal_the_cpu_op() {
     let c = &qjl_cases(64)[1];
     let narrow = qjl(64, 128, 2, 2, 4);
     let pos = 3000;
-    let rolled = AttendParams {
-        scale: 0.125,
-        first_pos: pos,
-        window: 64,
-        sinks: 4,
-        sliding_window: Some(1024),
-        code_first: pos + 1 - 1024,
-        exact_before: 16,
-    };
-    let prefill = AttendParams {
-        first_pos: 700 - 4,
-        ..decode_params(700, 64)
-    };
+    let rolled = rolled_params(pos, 1024);
+    let prefill = prefill_params(700, 5, 64);
     let shapes = [
         ("g6", 6, 300, 1, decode_params(300, 64)),
         ("rolled sliding", 3, 1024, 1, rolled),

@@ -9,7 +9,9 @@
 //! table of scores) where [`dispatch::attend_vq_table`] plans it, else `kvq_attend_vq`
 //! (centroids gathered).
 
-use super::backend::{Arg, KeyBufs, ValueBufs, encode, key_bufs, merges, output, value_bufs};
+use super::backend::{
+    Arg, KeyBufs, ScalarBufs, ValueBufs, encode, key_bufs, merges, output, value_bufs,
+};
 use super::dispatch::{self, AttendPlan};
 use super::ops::offset;
 use super::params::{AsBytes, CombineParams, QjlAttendParams, ScalarAttendParams};
@@ -21,6 +23,19 @@ use candle_core::{DType, Layout, MetalStorage, Result, Shape, bail};
 
 fn range(what: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!("metal: attend: {what} out of range"))
+}
+
+/// The query and code arguments, then the key and value levels and signs: the scalar layout's
+/// first seven (TurboQuant-Prod's sketch matrices follow).
+fn scalar_args<'a>(qkv: [Arg<'a>; 3], kx: &'a ScalarBufs, vx: &'a ScalarBufs) -> Vec<Arg<'a>> {
+    let mut v = Vec::from(qkv);
+    v.extend([
+        Arg::In(&kx.levels, 0),
+        Arg::In(&kx.signs, 0),
+        Arg::In(&vx.levels, 0),
+        Arg::In(&vx.signs, 0),
+    ]);
+    v
 }
 
 fn plan_err(e: String) -> candle_core::Error {
@@ -99,15 +114,7 @@ pub(crate) fn attend_fwd(
             widths(prm.kcb, prm.vcb)?;
             let file = "turboquant_mse/attend";
             prm.merge = merged(&plan, file)?;
-            let head = vec![
-                qa,
-                ka,
-                va,
-                Arg::In(&kx.levels, 0),
-                Arg::In(&kx.signs, 0),
-                Arg::In(&vx.levels, 0),
-                Arg::In(&vx.signs, 0),
-            ];
+            let head = scalar_args([qa, ka, va], kx, vx);
             let name = "kvq_attend_scalar";
             (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }
@@ -124,16 +131,8 @@ pub(crate) fn attend_fwd(
             widths(prm.kcb, prm.vcb)?;
             let file = "turboquant_prod/attend";
             prm.merge = merged(&plan, file)?;
-            let head = vec![
-                qa,
-                ka,
-                va,
-                Arg::In(&kx.levels, 0),
-                Arg::In(&kx.signs, 0),
-                Arg::In(&vx.levels, 0),
-                Arg::In(&vx.signs, 0),
-                Arg::In(mats, 0),
-            ];
+            let mut head = scalar_args([qa, ka, va], kx, vx);
+            head.push(Arg::In(mats, 0));
             let name = "kvq_attend_prod";
             (plan, file, name, head, prm.as_bytes(), prm.merge != 0)
         }

@@ -39,6 +39,29 @@ pub fn decode_params(n: usize, d: usize) -> AttendParams {
     }
 }
 
+/// A decode at `pos` under a sliding window of `sliding` positions over rolled codes (code row 0
+/// at `pos + 1 - sliding`), with 4 sinks, a 64-position fp16 window and the first 16 positions
+/// exact; softmax scale 1/8.
+pub fn rolled_params(pos: usize, sliding: usize) -> AttendParams {
+    AttendParams {
+        scale: 0.125,
+        first_pos: pos,
+        window: 64,
+        sinks: 4,
+        sliding_window: Some(sliding),
+        code_first: pos + 1 - sliding,
+        exact_before: 16,
+    }
+}
+
+/// A prefill of `t` query rows whose last is at position `n - 1` (head dim `d`'s scale).
+pub fn prefill_params(n: usize, t: usize, d: usize) -> AttendParams {
+    AttendParams {
+        first_pos: n + 1 - t,
+        ..decode_params(n, d)
+    }
+}
+
 /// Random queries, keys and values of one shape, the codes the CPU codecs make of them, and the
 /// CPU op's partial rows.
 pub struct Inputs {
@@ -130,7 +153,7 @@ fn bind(
             let prm = ScalarAttendParams::new(&plan, &x.p, n, d, k, v)
                 .ok_or("parameters out of range")?;
             widths(prm.kcb, prm.vcb)?;
-            let bufs = vec![
+            let mut bufs = vec![
                 q,
                 kc,
                 vc,
@@ -138,11 +161,8 @@ fn bind(
                 f32_bytes(&k.signs),
                 f32_bytes(&v.levels),
                 f32_bytes(&v.signs),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                merged(prm, &plan, merge).as_bytes(),
             ];
+            bufs.extend(outputs(merged(prm, &plan, merge).as_bytes()));
             (plan, bufs)
         }
         Spec::Prod { k, sketch, v } => {
@@ -150,7 +170,7 @@ fn bind(
             let prm = ScalarAttendParams::prod(&plan, &x.p, n, d, k, sketch.m, v)
                 .ok_or("parameters out of range")?;
             widths(prm.kcb, prm.vcb)?;
-            let bufs = vec![
+            let mut bufs = vec![
                 q,
                 kc,
                 vc,
@@ -159,11 +179,8 @@ fn bind(
                 f32_bytes(&v.levels),
                 f32_bytes(&v.signs),
                 f32_bytes(&sketch.matrices),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                merged(prm, &plan, merge).as_bytes(),
             ];
+            bufs.extend(outputs(merged(prm, &plan, merge).as_bytes()));
             (plan, bufs)
         }
         Spec::Qjl {
@@ -178,64 +195,43 @@ fn bind(
                 .ok_or("parameters out of range")?;
             widths(prm.kcb, prm.vcb)?;
             prm.merge = u32::from(merge && plan.n_splits > 1);
-            let bufs = vec![
-                q,
-                kc,
-                vc,
-                f32_bytes(mats),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                prm.as_bytes(),
-            ];
-            (plan, bufs)
-        }
-        Spec::Vq { k, v } if attend.ends_with(VQ_TABLE) => {
-            let plan = dispatch::attend_vq_table(nh, KVH, t, d, k.sub, mr)?
-                .ok_or("the table kernel declines this shape")?;
-            let prm =
-                ScalarAttendParams::vq(&plan, &x.p, n, d, k, v).ok_or("parameters out of range")?;
-            widths(prm.kcb, prm.vcb)?;
-            let bufs = vec![
-                q,
-                kc,
-                vc,
-                f32_bytes(&k.books),
-                f32_bytes(&k.signs),
-                f32_bytes(&k.lambda),
-                f32_bytes(&vq_book_norms(k)),
-                f32_bytes(&v.books),
-                f32_bytes(&v.signs),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                merged(prm, &plan, merge).as_bytes(),
-            ];
+            let mut bufs = vec![q, kc, vc, f32_bytes(mats)];
+            bufs.extend(outputs(prm.as_bytes()));
             (plan, bufs)
         }
         Spec::Vq { k, v } => {
-            let plan = dispatch::attend_vq(nh, KVH, t, d, mr)?;
+            let table = attend.ends_with(VQ_TABLE);
+            let plan = match table {
+                true => dispatch::attend_vq_table(nh, KVH, t, d, k.sub, mr)?
+                    .ok_or("the table kernel declines this shape")?,
+                false => dispatch::attend_vq(nh, KVH, t, d, mr)?,
+            };
             let prm =
                 ScalarAttendParams::vq(&plan, &x.p, n, d, k, v).ok_or("parameters out of range")?;
             widths(prm.kcb, prm.vcb)?;
-            let bufs = vec![
+            let mut bufs = vec![
                 q,
                 kc,
                 vc,
                 f32_bytes(&k.books),
                 f32_bytes(&k.signs),
                 f32_bytes(&k.lambda),
-                f32_bytes(&v.books),
-                f32_bytes(&v.signs),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-                merged(prm, &plan, merge).as_bytes(),
             ];
+            if table {
+                bufs.push(f32_bytes(&vq_book_norms(k)));
+            }
+            bufs.extend([f32_bytes(&v.books), f32_bytes(&v.signs)]);
+            bufs.extend(outputs(merged(prm, &plan, merge).as_bytes()));
             (plan, bufs)
         }
     };
     Ok(out)
+}
+
+/// The last four arguments of an attention kernel: its partial rows, merged rows and split
+/// counters (empty until a run fills them), then its parameters.
+fn outputs(params: Vec<u8>) -> [Vec<u8>; 4] {
+    [Vec::new(), Vec::new(), Vec::new(), params]
 }
 
 /// `prm` with the merge asked for when `merge` and `plan` splits.
