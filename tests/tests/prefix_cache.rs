@@ -4,7 +4,8 @@
 //! bit-identical logprobs, for fp16 and every preset, when the common prefix is the whole held
 //! state, when it ends inside the fp16 window (a truncation back into it), and when it ends
 //! before the key center is fixed. Over HTTP, a chat's second turn reports its cached tokens
-//! and /metrics counts the hit.
+//! and /metrics counts the hit. Conversations sharing only a system prompt reuse it under every
+//! method (a compressed one through a copy held at the shared prefix).
 //!
 //! The engine picks the reuse point so that the rest is prefilled as a fresh prefill does it
 //! (a tile boundary, the same GEMM; kvq-engine's prefix.rs): `cached_tokens` is that point. A
@@ -98,8 +99,15 @@ fn cat(parts: &[&[u32]]) -> Vec<u32> {
     parts.concat()
 }
 
-#[test]
-fn reused_prefixes_give_a_fresh_engines_output_for_every_method() {
+/// An engine with the prefix cache, one without (a fresh prefill every time), the registry of
+/// presets, a runtime, and every method: fp16 then the presets.
+fn setup() -> (
+    Engine,
+    Engine,
+    CacheRegistry,
+    tokio::runtime::Runtime,
+    Vec<String>,
+) {
     let load = || kvq_models::load(&default_gguf(), &mut |_, _| {}).expect("model");
     let warm_model = load();
     let cfg = warm_model.model.config().clone();
@@ -127,6 +135,12 @@ fn reused_prefixes_give_a_fresh_engines_output_for_every_method() {
     presets.sort();
     assert!(presets.len() >= 10, "presets: {presets:?}");
     methods.extend(presets);
+    (warm, fresh, reg, rt, methods)
+}
+
+#[test]
+fn reused_prefixes_give_a_fresh_engines_output_for_every_method() {
+    let (warm, fresh, reg, rt, methods) = setup();
     let tail = |salt: u32| ids(40, salt);
     for (m, method) in methods.iter().enumerate() {
         let salt = m as u32 * 5;
@@ -179,6 +193,41 @@ fn reused_prefixes_give_a_fresh_engines_output_for_every_method() {
     let st = warm.stats();
     assert_eq!(st.prefix_hits, 4 * methods.len() as u64);
     assert!(st.prefix_entries > 0 && st.prefix_bytes > 0);
+}
+
+/// Conversations that share only a system prompt: a compressed conversation's caches cannot go
+/// back to its end (only REWIND positions past the window are fp16), so the second
+/// conversation holds a copy at the shared prefix while it prefills (cut there, its own output
+/// unchanged) and the third continues from that copy, exactly as a fresh prefill.
+#[test]
+fn a_shared_system_prompt_is_reused_for_every_method() {
+    let (warm, fresh, reg, rt, methods) = setup();
+    for (m, method) in methods.iter().enumerate() {
+        let salt = 1000 + m as u32 * 5;
+        let system = ids(100, salt);
+        let conv = |s: u32| cat(&[&system, &ids(40, salt + s)]);
+        let first = run(&rt, &warm, &reg, method, &conv(1), 4);
+        assert_eq!(first.cached, 0, "{method}: nothing held yet");
+        for (turn, s) in [("second", 2), ("third", 3)] {
+            let prompt = conv(s);
+            let w = run(&rt, &warm, &reg, method, &prompt, 8);
+            let f = run(&rt, &fresh, &reg, method, &prompt, 8);
+            assert_eq!(
+                (&w.tokens, &w.logprob_bits),
+                (&f.tokens, &f.logprob_bits),
+                "{method}, {turn} conversation: output differs from a fresh prefill"
+            );
+            if turn == "third" || method == "fp16" {
+                // The tile boundary below 300 whose rest (52 rows) takes the fresh GEMM.
+                assert_eq!(
+                    w.cached, 288,
+                    "{method}, {turn} conversation: cached tokens"
+                );
+            }
+        }
+    }
+    let st = warm.stats();
+    assert!(st.prefix_hits >= methods.len() as u64, "{st:?}");
 }
 
 #[test]

@@ -35,6 +35,9 @@ pub(crate) struct Seq {
     /// `Some(x)`: it continued from positions of which only the first `x` are what a fresh
     /// prefill computes (a reply's decoded ones followed); `None`: all its prefill is.
     pub(crate) exact_limit: Option<usize>,
+    /// Where its prefill stops once to hold a copy of its caches for other prompts sharing
+    /// that prefix (`prefix::snapshot_point`); `None` once done, or when none is due.
+    pub(crate) snapshot_at: Option<usize>,
 }
 
 impl Seq {

@@ -178,19 +178,36 @@ impl Worker {
         self.fit_held();
     }
 
+    /// Where a job's caches come from: they, how many of its prompt positions they hold, its
+    /// `exact_limit`, and where its prefill holds a copy for prompts sharing its prefix
+    /// (`prefix::snapshot_point`: where the longest common prefix with a held or running
+    /// sequence reaches past what it could reuse, as a compressed cache's does).
+    fn start_caches(&mut self, job: &Job) -> kvq_models::Result<Start> {
+        let mut start = self.reuse(job)?;
+        let chunk = self.config.prefill_chunk.max(1);
+        if let Some(prefixes) = &self.prefixes {
+            let (key, prompt) = (&job.req.cache.key, &job.req.prompt);
+            let common = self
+                .running
+                .iter()
+                .filter(|s| &s.job.req.cache.key == key)
+                .map(|s| prefix::reusable(&s.held_tokens(), prompt))
+                .chain([prefixes.longest_common(key, prompt)])
+                .max()
+                .unwrap_or(0);
+            start.snapshot_at = prefix::snapshot_point(common, start.cached, prompt.len(), chunk);
+        }
+        Ok(start)
+    }
+
     /// The caches a job starts from, how many of its prompt positions they hold, and its
     /// `exact_limit`: the longest usable prefix among the held ones and the running sequences'
     /// under its cache key (planned by `prefix::plan`), else fresh caches.
-    fn start_caches(
-        &mut self,
-        job: &Job,
-    ) -> kvq_models::Result<(LayerCaches, usize, Option<usize>)> {
+    fn reuse(&mut self, job: &Job) -> kvq_models::Result<Start> {
         let chunk = self.config.prefill_chunk.max(1);
         let Some(prefixes) = &mut self.prefixes else {
-            return Ok((
+            return Ok(Start::fresh(
                 self.model.new_caches(job.req.cache.factory.as_ref())?,
-                0,
-                None,
             ));
         };
         let (key, prompt) = (&job.req.cache.key, &job.req.prompt);
@@ -244,11 +261,16 @@ impl Worker {
         let Some((mut caches, n, exact)) = found else {
             let mut caches = self.model.new_caches(job.req.cache.factory.as_ref())?;
             caches.allow_rewind(REWIND);
-            return Ok((caches, 0, None));
+            return Ok(Start::fresh(caches));
         };
         prefixes.count_hit(n);
         caches.allow_rewind(REWIND);
-        Ok((caches, n, (exact < n).then_some(exact)))
+        Ok(Start {
+            caches,
+            cached: n,
+            exact_limit: (exact < n).then_some(exact),
+            snapshot_at: None,
+        })
     }
 
     /// Admits waiting requests in order while they fit: under `max_running`, and their KV
@@ -278,7 +300,12 @@ impl Worker {
             };
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             match self.start_caches(&job) {
-                Ok((caches, cached, exact_limit)) => {
+                Ok(Start {
+                    caches,
+                    cached,
+                    exact_limit,
+                    snapshot_at,
+                }) => {
                     let total = job.req.prompt.len() + job.max_tokens;
                     let job_need = job
                         .kv_need
@@ -301,6 +328,7 @@ impl Worker {
                         reserved: job_need,
                         cached,
                         exact_limit,
+                        snapshot_at,
                     });
                     self.admitted += 1;
                     self.fit_held();
@@ -319,8 +347,12 @@ impl Worker {
         for s in &self.running {
             let prompt = &s.job.req.prompt;
             if s.prefilled < prompt.len() {
-                // Where a fresh prefill's chunk ends, also after a reused prefix.
-                let end = prefix::chunk_end(s.prefilled, prompt.len(), chunk);
+                // Where a fresh prefill's chunk ends, also after a reused prefix; cut once
+                // where a copy is held for prompts sharing this prefix.
+                let mut end = prefix::chunk_end(s.prefilled, prompt.len(), chunk);
+                if let Some(at) = s.snapshot_at.filter(|&at| at > s.prefilled) {
+                    end = end.min(at);
+                }
                 inputs.push(prompt[s.prefilled..end].to_vec());
             } else {
                 // Decoding: feed the last sampled token.
@@ -360,6 +392,7 @@ impl Worker {
             }
         };
         let mut after = vec![After::Runs; self.running.len()];
+        let mut branches = Vec::new();
         for (i, (seq, (input, logit))) in self
             .running
             .iter_mut()
@@ -386,6 +419,17 @@ impl Worker {
             }
             if seq.prefilled < seq.job.req.prompt.len() {
                 seq.prefilled += input.len();
+                if seq.snapshot_at == Some(seq.prefilled) {
+                    seq.snapshot_at = None;
+                    match seq.caches.fork() {
+                        Ok(c) => branches.push((
+                            seq.job.req.cache.key.clone(),
+                            seq.job.req.prompt[..seq.prefilled].to_vec(),
+                            c,
+                        )),
+                        Err(e) => tracing::debug!("could not copy a shared prefix: {e}"),
+                    }
+                }
                 if seq.prefilled < seq.job.req.prompt.len() {
                     continue;
                 }
@@ -402,6 +446,12 @@ impl Worker {
                 }
             };
             after[i] = emit_token(seq, row, &self.tokenizer);
+        }
+        if let Some(p) = &mut self.prefixes {
+            for (key, tokens, caches) in branches {
+                tracing::debug!("holding a copy of a {}-token shared prefix", tokens.len());
+                p.insert_branch(key, tokens, caches);
+            }
         }
         self.retire(&after);
         // Reservations may have grown: held prefixes give way.
@@ -443,6 +493,25 @@ impl Worker {
 }
 
 /// The engine's error for a model error: a cache's own stays typed.
+/// What a job starts from (`Worker::start_caches`).
+struct Start {
+    caches: LayerCaches,
+    cached: usize,
+    exact_limit: Option<usize>,
+    snapshot_at: Option<usize>,
+}
+
+impl Start {
+    fn fresh(caches: LayerCaches) -> Self {
+        Self {
+            caches,
+            cached: 0,
+            exact_limit: None,
+            snapshot_at: None,
+        }
+    }
+}
+
 fn engine_error(e: ModelError) -> EngineError {
     match e {
         ModelError::Cache(c) => EngineError::Cache(c),

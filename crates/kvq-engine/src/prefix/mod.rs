@@ -17,6 +17,13 @@
 //! ([`exact_start`]). Decoded positions (a reply) went through the one-row path and are never
 //! what a prefill of the same text computes; a prompt reusing them continues that sequence
 //! exactly as it would have gone on, which is the point of a chat's next turn.
+//!
+//! Branches: a compressed cache can go back only [`REWIND`] positions past its window (older
+//! rows are codes, and a continuation needs them in fp16), so two conversations sharing a
+//! system prompt would never share its caches. When a prompt's longest common prefix with a
+//! held or running sequence is longer than what it can reuse, its own prefill stops at that
+//! prefix's [`snapshot_point`] once and holds a copy of its caches there (a branch entry, never
+//! taken whole): the next prompt with that prefix continues from the copy.
 
 use crate::store::KvStore;
 use kvq_cache::{CacheFactory, CacheGeometry, LayerCaches, TILE_POSITIONS};
@@ -49,6 +56,9 @@ pub(crate) struct Entry {
     used: u64,
     /// Whether the KV store holds exactly this (it was restored from there, or saved).
     saved: bool,
+    /// A copy made at a shared prefix (see the module docs): used whole, it is copied again
+    /// and stays, and a longer entry replaces it only if that one can go back to it.
+    branch: bool,
 }
 
 /// The held prefixes, least recently used evicted first.
@@ -110,6 +120,24 @@ pub(crate) fn exact_start(m: usize, p: usize, chunk: usize) -> usize {
         n = (e - DEQUANT_MIN_ROWS) / TILE_POSITIONS * TILE_POSITIONS;
     }
     n
+}
+
+/// Where a sequence whose prefill starts at `from` (0, or a reused prefix's end) should hold
+/// a copy of its caches for a prompt prefix of `m` common positions (prompt of `p` tokens,
+/// chunks of `chunk`), or `None`. Its chunk around the point is cut there, so the point is a
+/// continuation start ([`exact_start`]) whose cut-off first part is empty or takes the same
+/// GEMM as the fresh chunk (at least `DEQUANT_MIN_ROWS` rows): every row stays what a fresh
+/// prefill computes, the copy's and the sequence's own.
+pub(crate) fn snapshot_point(m: usize, from: usize, p: usize, chunk: usize) -> Option<usize> {
+    if m >= p {
+        return None;
+    }
+    let mut n = exact_start(m, p, chunk);
+    let start = from.max(n / chunk * chunk);
+    if n > start && n - start < DEQUANT_MIN_ROWS {
+        n = start;
+    }
+    (n > from && n >= MIN_REUSE).then_some(n)
 }
 
 /// Reusable positions past the exact ones that are given up (prefilled again) to keep a
@@ -223,7 +251,7 @@ impl PrefixCache {
                 "restored a {}-token prefix for {n} prompt positions",
                 tokens.len()
             );
-            self.hold(key.to_string(), tokens, counts, caches, true);
+            self.hold(key.to_string(), tokens, counts, caches, (true, false));
         }
     }
 
@@ -252,23 +280,44 @@ impl PrefixCache {
         counts: (usize, usize),
         caches: LayerCaches,
     ) {
-        self.hold(key, tokens, counts, caches, false);
+        self.hold(key, tokens, counts, caches, (false, false));
     }
 
-    /// [`PrefixCache::insert`]; `saved`: the store holds exactly this already.
+    /// Holds a copy of a running sequence's caches at a shared prefix (`tokens`, every one
+    /// exact): a branch entry (see the module docs).
+    pub(crate) fn insert_branch(&mut self, key: String, tokens: Vec<u32>, caches: LayerCaches) {
+        let n = tokens.len();
+        self.hold(key, tokens, (n, n), caches, (false, true));
+    }
+
+    /// The longest common prefix of `prompt` with an entry under `key`.
+    pub(crate) fn longest_common(&self, key: &str, prompt: &[u32]) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| e.key == key)
+            .map(|e| reusable(&e.tokens, prompt))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// [`PrefixCache::insert`]; `saved`: the store holds exactly this already; `branch`: see
+    /// [`Entry::branch`].
     fn hold(
         &mut self,
         key: String,
         tokens: Vec<u32>,
         (prefilled, exact): (usize, usize),
         caches: LayerCaches,
-        saved: bool,
+        (saved, branch): (bool, bool),
     ) {
         if tokens.len() < MIN_REUSE || caches.len() != tokens.len() {
             return;
         }
-        self.entries
-            .retain(|e| !(e.key == key && tokens.starts_with(&e.tokens)));
+        // What this entry serves too goes; a branch only if this can go back to it.
+        self.entries.retain(|e| {
+            let covered = e.key == key && tokens.starts_with(&e.tokens);
+            !(covered && (!e.branch || caches.can_truncate(e.tokens.len())))
+        });
         let bytes = caches.resident_bytes();
         let used = self.tick();
         self.entries.push(Entry {
@@ -280,6 +329,7 @@ impl PrefixCache {
             bytes,
             used,
             saved,
+            branch,
         });
         self.evict_to(self.limit);
     }
@@ -323,11 +373,12 @@ impl PrefixCache {
 
     /// Caches holding the first `m.n` positions of entry `m.index` (which [`PrefixCache::best`]
     /// found they can go back to). An entry used whole is taken out (the new sequence continues
-    /// it); one used in part is copied and stays (it still serves its own continuation). `None`
-    /// when the copy fails.
+    /// it); one used in part, or a branch, is copied and stays (it still serves its own
+    /// continuation, or the next prompt sharing it). `None` when the copy fails.
     pub(crate) fn take(&mut self, m: Match) -> Option<LayerCaches> {
         let used = self.tick();
-        let whole = m.n == self.entries.get(m.index)?.tokens.len();
+        let e = self.entries.get(m.index)?;
+        let whole = m.n == e.tokens.len() && !e.branch;
         let caches = if whole {
             self.entries.swap_remove(m.index).caches
         } else {
@@ -365,179 +416,4 @@ pub(crate) fn continue_from(mut caches: LayerCaches, n: usize) -> Option<LayerCa
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{Device, Tensor};
-    use kvq_cache::{CacheGeometry, CacheRegistry, CacheSpec};
-
-    fn geoms() -> Vec<CacheGeometry> {
-        vec![
-            CacheGeometry {
-                n_heads: 2,
-                n_kv_heads: 1,
-                head_dim: 8,
-                sliding_window: None,
-                max_tokens: 1024,
-            };
-            2
-        ]
-    }
-
-    /// fp16 caches holding `n` positions.
-    fn caches(n: usize) -> LayerCaches {
-        let reg = CacheRegistry::builtin();
-        let r = reg
-            .resolve(&CacheSpec {
-                method: Some("fp16".into()),
-                bits: None,
-            })
-            .expect("fp16");
-        let mut c = LayerCaches::new(r.factory.as_ref(), &geoms()).expect("caches");
-        let k = Tensor::ones((1, n, 8), candle_core::DType::F32, &Device::Cpu).expect("k");
-        for l in 0..c.n_layers() {
-            c.layer(l).append(&k, &k).expect("append");
-        }
-        c
-    }
-
-    fn toks(n: usize, salt: u32) -> Vec<u32> {
-        (0..n as u32).map(|i| i * 3 + salt).collect()
-    }
-
-    #[test]
-    fn continuations_start_where_a_fresh_prefill_computes_the_same() {
-        // A tile boundary; the GEMM of the fresh chunk around it.
-        assert_eq!(exact_start(200, 240, 512), 192);
-        assert_eq!(
-            exact_start(208, 230, 512),
-            192,
-            "first chunk of 22 rows would be q8"
-        );
-        assert_eq!(
-            exact_start(515, 530, 512),
-            512,
-            "a short fresh chunk is taken whole"
-        );
-        assert_eq!(exact_start(600, 2000, 512), 592);
-        assert_eq!(exact_start(1020, 2000, 512), 992);
-        for (m, p) in [(200, 240), (208, 230), (515, 530), (1020, 2000), (40, 41)] {
-            let n = exact_start(m, p, 512);
-            assert!(n <= m && n.is_multiple_of(TILE_POSITIONS));
-            let (j, e) = (n / 512 * 512, chunk_end(n, p, 512));
-            assert_eq!(
-                e - n >= DEQUANT_MIN_ROWS,
-                e - j >= DEQUANT_MIN_ROWS,
-                "{m} {p}"
-            );
-        }
-        // Held prompts: full tiles, not a short last chunk.
-        assert_eq!(exact_prefix(200, 512), 192);
-        assert_eq!(exact_prefix(520, 512), 512);
-        assert_eq!(exact_prefix(560, 512), 560);
-        assert_eq!(exact_prefix(100, 20), 0);
-        // Past the exact positions (a reply): everything reusable.
-        let held: Vec<u32> = (0..300).collect();
-        let c = caches(300);
-        let mut prompt = held.clone();
-        prompt.extend([7, 7, 7]);
-        let can = |n: usize| c.can_truncate(n);
-        let h = |prefilled, exact| Held {
-            tokens: &held,
-            prefilled,
-            exact,
-            can_truncate: &can,
-        };
-        assert_eq!(plan(&h(200, 192), &prompt, 512), (300, 192));
-        assert_eq!(plan(&h(240, 240), &prompt, 512), (240, 240), "60 given up");
-        assert_eq!(plan(&h(300, 300), &prompt, 512), (256, 256));
-        // A short prompt (a q8 chunk, nothing exact) and its reply: the reply continues.
-        assert_eq!(plan(&h(28, 0), &prompt, 512), (300, 0));
-        assert_eq!(chunk_end(0, 2000, 512), 512);
-        assert_eq!(chunk_end(700, 2000, 512), 1024);
-        assert_eq!(chunk_end(1900, 2000, 512), 2000);
-    }
-
-    #[test]
-    fn reuse_leaves_the_last_prompt_token() {
-        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3]), 2);
-        assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3, 4]), 3);
-        assert_eq!(reusable(&[1, 2, 3, 4], &[1, 2, 9, 4]), 2);
-        assert_eq!(reusable(&[], &[1]), 0);
-    }
-
-    #[test]
-    fn longest_match_under_the_same_key_wins() {
-        let mut p = PrefixCache::new(usize::MAX);
-        // Held as if decoded, none exact: every reusable position is taken (see `plan`).
-        p.insert("a".into(), toks(100, 0), (0, 0), caches(100));
-        let mut longer = toks(100, 0);
-        longer.extend(1000..1020);
-        // A continuation replaces the entry it extends.
-        p.insert("a".into(), longer.clone(), (0, 0), caches(120));
-        assert_eq!(p.len(), 1);
-        p.insert("b".into(), longer.clone(), (0, 0), caches(120));
-        let mut prompt = longer.clone();
-        prompt.push(7);
-        let m = p.best("a", &prompt, 512).expect("match");
-        assert_eq!(m.n, 120);
-        assert_eq!(p.best("c", &prompt, 512), None);
-        // Too short a common prefix is no match.
-        assert_eq!(p.best("a", &toks(MIN_REUSE - 1, 0), 512), None);
-        // Used whole: taken out.
-        let c = p.take(m).expect("caches");
-        assert_eq!(c.len(), 120);
-        assert_eq!(p.len(), 1);
-    }
-
-    #[test]
-    fn a_partial_match_copies_and_keeps_the_entry() {
-        let mut p = PrefixCache::new(usize::MAX);
-        p.insert("a".into(), toks(150, 0), (0, 0), caches(150));
-        let mut prompt = toks(90, 0);
-        prompt.extend([999, 998]);
-        let m = p.best("a", &prompt, 512).expect("match");
-        assert_eq!(m.n, 90);
-        let c = p.take(m).expect("caches");
-        assert_eq!(c.len(), 90);
-        assert_eq!(p.len(), 1);
-        assert_eq!(p.entries[0].caches.len(), 150);
-        // With its first 150 exact, the copy starts on a tile boundary whose first chunk takes
-        // the fresh chunk's GEMM instead.
-        p.entries[0].exact = 150;
-        let m = p.best("a", &prompt, 512).expect("match");
-        assert_eq!((m.n, m.exact), (48, 48));
-    }
-
-    #[test]
-    fn least_recently_used_goes_first() {
-        let one = caches(80).resident_bytes();
-        let mut p = PrefixCache::new(2 * one);
-        p.insert("a".into(), toks(80, 0), (0, 0), caches(80));
-        p.insert("a".into(), toks(80, 1), (0, 0), caches(80));
-        // Touch the first: the second is now the oldest.
-        let mut prompt = toks(80, 0);
-        prompt.push(5);
-        let m = p.best("a", &prompt, 512).expect("match");
-        assert_eq!(m.n, 80);
-        p.entries[m.index].used = p.tick();
-        p.insert("a".into(), toks(80, 2), (0, 0), caches(80));
-        assert_eq!(p.len(), 2);
-        let mut prompt1 = toks(80, 1);
-        prompt1.push(5);
-        assert_eq!(
-            p.best("a", &prompt1, 512),
-            None,
-            "the LRU entry was evicted"
-        );
-        assert!(p.best("a", &prompt, 512).is_some());
-        assert_eq!(p.evict_to(0), 2 * one);
-        assert_eq!((p.len(), p.bytes()), (0, 0));
-    }
-
-    #[test]
-    fn an_entry_larger_than_the_limit_is_not_held() {
-        let mut p = PrefixCache::new(1);
-        p.insert("a".into(), toks(20, 0), (0, 0), caches(20));
-        assert_eq!(p.len(), 0);
-    }
-}
+mod tests;
