@@ -42,11 +42,15 @@ fn openai_python_client_and_curl() {
 #[test]
 fn generate_streams_the_golden_completion_to_stdout() {
     let case = &golden()["cases"][1];
+    let lp = std::env::temp_dir().join(format!("kvq-logprobs-{}.jsonl", std::process::id()));
     let out = Command::new(kvq_bin())
         .args(["generate", "--model"])
         .arg(default_gguf())
         .args(["--prompt", case["prompt"].as_str().expect("prompt")])
         .args(["--max-tokens", "20", "--kv-cache-method", "f32"])
+        .arg("--logprobs-out")
+        .arg(&lp)
+        .args(["--top-logprobs", "3"])
         .output()
         .expect("kvq generate runs");
     assert!(
@@ -59,6 +63,28 @@ fn generate_streams_the_golden_completion_to_stdout() {
         stdout.trim_end_matches('\n'),
         case["greedy_text"].as_str().expect("text")
     );
+    // One line per generated token; greedy picks the most likely, alternatives in order.
+    let written = std::fs::read_to_string(&lp).expect("logprobs file");
+    let _ = std::fs::remove_file(&lp);
+    let lines: Vec<serde_json::Value> = written
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(lines.len(), 20);
+    let mut text = String::new();
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["i"], i);
+        let top = l["top"].as_array().expect("top");
+        assert_eq!(top.len(), 3, "{l}");
+        assert_eq!(top[0]["id"], l["id"], "greedy takes the top token: {l}");
+        let lps: Vec<f64> = top
+            .iter()
+            .map(|t| t["logprob"].as_f64().expect("lp"))
+            .collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{l}");
+        text.push_str(l["token"].as_str().expect("token"));
+    }
+    assert_eq!(text, case["greedy_text"].as_str().expect("text"));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! `kvq generate`: one prompt (raw, or as a user message with `--chat`), streamed to stdout as
-//! it is generated; token counts, speed and KV cache bytes go to stderr.
+//! it is generated; token counts, speed and KV cache bytes go to stderr; with `--logprobs-out`,
+//! each generated token's logprob and its top alternatives as JSON lines (to compare devices).
 
 use super::model::{load_with_progress, resolve_model};
 use anyhow::{Context, bail};
@@ -45,6 +46,13 @@ pub struct GenerateArgs {
     /// Bits per element for the KV cache method, where it takes a choice.
     #[arg(long)]
     pub kv_cache_bits: Option<u8>,
+    /// Write each generated token's logprob and its `--top-logprobs` most likely alternatives
+    /// to this file, one JSON object per line (`i`, `id`, `token`, `logprob`, `top`).
+    #[arg(long)]
+    pub logprobs_out: Option<PathBuf>,
+    /// Alternatives per token in `--logprobs-out`, 1 to 20.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(1..=20))]
+    pub top_logprobs: u8,
 }
 
 pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -100,16 +108,31 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         },
         stop_on_eos: true,
         constraint: None,
-        logprobs: None,
+        logprobs: args
+            .logprobs_out
+            .as_ref()
+            .map(|_| args.top_logprobs as usize),
         cache,
+    };
+    let mut logprobs_out = match &args.logprobs_out {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("--logprobs-out {}", path.display()))?,
+        )),
+        None => None,
     };
     let mut rx = engine.submit(request).context("the request was refused")?;
 
     let mut stdout = std::io::stdout().lock();
     let mut finished = None;
+    let mut generated = 0;
     while let Some(event) = rx.recv().await {
         match event {
-            GenerationEvent::Delta { text, .. } => {
+            GenerationEvent::Delta { text, logprob, .. } => {
+                if let (Some(out), Some(lp)) = (logprobs_out.as_mut(), logprob) {
+                    write_logprob(out, generated, &lp)?;
+                    generated += 1;
+                }
                 if text.is_empty() {
                     continue;
                 }
@@ -134,11 +157,35 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let _ = writeln!(stdout).and_then(|()| stdout.flush());
     drop(stdout);
+    if let Some(mut out) = logprobs_out {
+        out.flush().context("--logprobs-out")?;
+    }
     let Some((reason, usage)) = finished else {
         bail!("the engine stopped before generation finished");
     };
     eprintln!("{}", stats_line(reason.as_str(), &usage));
     Ok(())
+}
+
+/// One `--logprobs-out` line: the token's index, id, text and logprob, and its alternatives.
+fn write_logprob(
+    out: &mut impl Write,
+    i: usize,
+    lp: &kvq_engine::LogprobInfo,
+) -> anyhow::Result<()> {
+    let top: Vec<_> = lp
+        .top
+        .iter()
+        .map(|t| serde_json::json!({"id": t.id, "token": t.token, "logprob": t.logprob}))
+        .collect();
+    let line = serde_json::json!({
+        "i": i,
+        "id": lp.id,
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "top": top,
+    });
+    writeln!(out, "{line}").context("--logprobs-out")
 }
 
 /// Tokenizes the prompt: raw (with BOS when the tokenizer adds one), or as a chat turn.
