@@ -181,11 +181,13 @@ impl Worker {
     /// Where a job's caches come from: they, how many of its prompt positions they hold, its
     /// `exact_limit`, and where its prefill holds a copy for prompts sharing its prefix
     /// (`prefix::snapshot_point`: where the longest common prefix with a held or running
-    /// sequence reaches past what it could reuse, as a compressed cache's does).
+    /// sequence reaches past what it could reuse, as a compressed cache's does; never after a
+    /// reuse of decoded positions, which a fresh prefill does not compute).
     fn start_caches(&mut self, job: &Job) -> kvq_models::Result<Start> {
         let mut start = self.reuse(job)?;
         let chunk = self.config.prefill_chunk.max(1);
-        if let Some(prefixes) = &self.prefixes {
+        // A copy claims every position exact: not after reused decoded ones.
+        if let (Some(prefixes), None) = (&self.prefixes, start.exact_limit) {
             let (key, prompt) = (&job.req.cache.key, &job.req.prompt);
             let common = self
                 .running
@@ -492,7 +494,6 @@ impl Worker {
     }
 }
 
-/// The engine's error for a model error: a cache's own stays typed.
 /// What a job starts from (`Worker::start_caches`).
 struct Start {
     caches: LayerCaches,
@@ -512,6 +513,7 @@ impl Start {
     }
 }
 
+/// The engine's error for a model error: a cache's own stays typed.
 fn engine_error(e: ModelError) -> EngineError {
     match e {
         ModelError::Cache(c) => EngineError::Cache(c),
