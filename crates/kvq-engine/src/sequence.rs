@@ -47,7 +47,7 @@ impl Seq {
     }
 
     /// Positions of its caches a fresh prefill of a prompt starting with them computes the
-    /// same (see `prefix.rs`).
+    /// same (see `prefix/mod.rs`).
     pub(crate) fn exact_upto(&self, chunk: usize) -> usize {
         if let Some(x) = self.exact_limit {
             return x;

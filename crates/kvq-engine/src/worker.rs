@@ -3,7 +3,7 @@
 //! its logits (`sequence.rs` masks, samples, decodes and matches stops), and drops a sequence
 //! (freeing its cache) as soon as its client is gone.
 //! A sequence that ends (or whose client left) leaves its caches in the prefix cache
-//! (`prefix.rs`), from which a later prompt with the same first tokens continues.
+//! (`prefix/`), from which a later prompt with the same first tokens continues.
 
 use crate::engine::{EngineConfig, Shared};
 use crate::prefix::{self, MIN_REUSE, PrefixCache, REWIND};
