@@ -85,19 +85,31 @@ __device__ inline void pack_codes(const uint8_t* idx, int bits, int D, uint8_t* 
   }
 }
 
-// Signs of proj = S r (m values; S transposed [D][m], r in shared memory), packed with warp
-// ballots: bit i set when proj_i >= 0 (kvq-cache sketch.rs pack_signs). Each warp takes chunks
-// of 32 projections.
+// Signs of proj = S r (m values; S transposed [D][m], r in shared memory) for the sketch rows
+// 32 * blockIdx.y .. + 31 (a launch takes ceil(m / 32) slices in y), packed with one warp ballot:
+// bit i set when proj_i >= 0 (kvq-cache sketch.rs pack_signs). Lane l of warp w sums row
+// 32y + l over coordinates 32w .. 32w + 31 (32 independent loads, coalesced across the lanes),
+// and warp 0 adds the warps' partial sums in a fixed order. So a one-token step reads S with
+// ceil(m / 32) blocks per row, not with one block's warps one row of S at a time.
 __device__ inline void sketch_signs(const float* S, const float* r, int D, int m, uint8_t* out) {
+  __shared__ float part[8][32];  // D <= 256: at most 8 warps
   __syncthreads();
   const int lane = threadIdx.x & 31, w = threadIdx.x / 32, nw = blockDim.x / 32;
-  for (int base = w * 32; base < m; base += nw * 32) {
-    const int i = base + lane;
-    float p = 0.f;
-    if (i < m)
-      for (int j = 0; j < D; j++) p = fmaf(__ldg(S + (long long)j * m + i), r[j], p);
-    const unsigned bits = __ballot_sync(0xffffffffu, i < m && p >= 0.f);
-    if (lane == 0) {
+  const int base = blockIdx.y * 32, i = base + lane;
+  float p = 0.f;
+  if (i < m) {
+    const float* s = S + (long long)(w * 32) * m + i;
+    const float* rw = r + w * 32;
+#pragma unroll
+    for (int j = 0; j < 32; j++) p = fmaf(__ldg(s + (long long)j * m), rw[j], p);
+  }
+  part[w][lane] = p;
+  __syncthreads();
+  if (w == 0) {
+    float sum = 0.f;
+    for (int k = 0; k < nw; k++) sum += part[k][lane];
+    const unsigned bits = __ballot_sync(0xffffffffu, i < m && sum >= 0.f);
+    if (lane == 0 && base < m) {
       const int nbytes = min(4, (m - base) / 8);
       for (int k = 0; k < nbytes; k++) out[base / 8 + k] = (bits >> (8 * k)) & 0xff;
     }

@@ -1,10 +1,12 @@
-// Encode of QJL keys and values, one block of D threads per row.
+// Encode of QJL keys and values, blocks of D threads: keys ceil(m / 32) per row (blockIdx.y), each
+// finding the row's outliers and norm and packing 32 of its signs (block y = 0 writes the
+// outliers and the norm); values one per row.
 // Keys (kvq-cache qjl/keys.rs): the `outliers` largest-magnitude channels kept exactly (u8 index,
 // f16 value; the sketch takes what the f16 value leaves out), the f16 norm of the rest, and the
 // signs of S rest packed with warp ballots.
 // Values (qjl/values.rs): per group an f16 scale and minimum from the same range search `fit`
-// runs (one thread per group, the CPU's operations in the CPU's order), then each coordinate's
-// code rounded half up, packed LSB first.
+// runs (one warp per group, each candidate on a lane, the CPU's operations in the CPU's order),
+// then each coordinate's code rounded half up, packed LSB first.
 #include "../common/encode.cuh"
 
 struct QjlKeyEncodeParams {
@@ -58,16 +60,19 @@ __device__ void qjl_key_encode(const kvq::EncodeArgs& a, const QjlKeyEncodeParam
     __syncthreads();
     const int pick = besti[0];
     if (c == pick) {
+      // Every block of the row takes the same channel; block y = 0 stores it.
       taken[c] = 1;
       const __half h = __float2half_rn(xv);
-      out[at + o] = (uint8_t)c;
-      kvq::store_f16(out + at + p.outliers + 2 * o, xv);
+      if (blockIdx.y == 0) {
+        out[at + o] = (uint8_t)c;
+        kvq::store_f16(out + at + p.outliers + 2 * o, xv);
+      }
       rest = xv - __half2float(h);
     }
   }
   const float norm = sqrtf(kvq::block_sum(rest * rest, red));
   u[c] = rest;
-  if (c == 0) kvq::store_f16(out, norm);
+  if (blockIdx.y == 0 && c == 0) kvq::store_f16(out, norm);
   kvq::sketch_signs(p.mats + (long long)head * D * p.m, u, D, p.m, out + 2);
 }
 
@@ -77,12 +82,23 @@ struct GroupEncodeParams {
 
 __constant__ float kTrims[5] = {0.f, 0.05f, 0.1f, 0.15f, 0.2f};
 
-// (scale, min) as kvq-cache values.rs `fit` computes them, over x[0..n) in shared memory.
+// (scale, min) as kvq-cache values.rs `fit` computes them, over x[0..n) in shared memory, by
+// one whole warp: the range by shuffles (min and max are exact in any order), then the
+// candidates' squared errors each on a lane of its own (lanes 0-4 the five trims, then lanes 0-3
+// the four steps around the best), each summed in the CPU's order, and lane 0 choosing among
+// them in the CPU's order: the same result as one thread trying them one after another, in
+// about a fifth of the serial time (a decode step codes one token: its latency is the cost).
 __device__ void group_fit(const float* x, int n, float levels, float& s_out, float& m_out) {
+  const int lane = threadIdx.x & 31;
   float lo = INFINITY, hi = -INFINITY;
-  for (int i = 0; i < n; i++) {
+  for (int i = lane; i < n; i += 32) {
     lo = fminf(lo, x[i]);
     hi = fmaxf(hi, x[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
   }
   const float r = hi - lo;
   auto params = [&](float a, float b, float& s, float& m) {
@@ -116,20 +132,31 @@ __device__ void group_fit(const float* x, int n, float levels, float& s_out, flo
     m_out = bm;
     return;
   }
-  auto consider = [&](float a, float b) {
-    float s, m;
+  // This lane's candidate (a, b): its scale, minimum and squared error (lanes past the
+  // candidates compute nothing).
+  auto mine = [&](bool live, float a, float b, float& s, float& m) {
+    s = m = 0.f;
+    if (!live) return INFINITY;
     params(a, b, s, m);
-    const float e = sse(s, m);
-    if (e < best) {
-      best = e;
-      bs = s;
-      bm = m;
-    }
-    return e;
+    return sse(s, m);
   };
+  // The CPU's `consider`: candidate k of this round, taken from its lane.
+  auto take = [&](float e, float s, float m, int k) {
+    const float ek = __shfl_sync(0xffffffffu, e, k);
+    const float sk = __shfl_sync(0xffffffffu, s, k);
+    const float mk = __shfl_sync(0xffffffffu, m, k);
+    if (ek < best) {
+      best = ek;
+      bs = sk;
+      bm = mk;
+    }
+    return ek;
+  };
+  float s1, m1;
+  const float e1 = mine(lane < 5, kTrims[min(lane, 4)], kTrims[min(lane, 4)], s1, m1);
   float t = 0.f, least = INFINITY;
   for (int k = 0; k < 5; k++) {
-    const float e = consider(kTrims[k], kTrims[k]);
+    const float e = take(e1, s1, m1, k);
     if (e < least) {
       t = kTrims[k];
       least = e;
@@ -137,8 +164,12 @@ __device__ void group_fit(const float* x, int n, float levels, float& s_out, flo
   }
   const float st = 0.05f;
   const float cand[4][2] = {{t - st, t}, {t + st, t}, {t, t - st}, {t, t + st}};
+  const int q = min(lane, 3);
+  const bool ok = cand[q][0] >= 0.f && cand[q][1] >= 0.f;
+  float s2, m2;
+  const float e2 = mine(lane < 4 && ok, cand[q][0], cand[q][1], s2, m2);
   for (int k = 0; k < 4; k++)
-    if (cand[k][0] >= 0.f && cand[k][1] >= 0.f) consider(cand[k][0], cand[k][1]);
+    if (cand[k][0] >= 0.f && cand[k][1] >= 0.f) take(e2, s2, m2, k);
   s_out = bs;
   m_out = bm;
 }
@@ -154,13 +185,16 @@ __device__ void group_encode(const kvq::EncodeArgs& a, const GroupEncodeParams& 
   x[c] = kvq::enc_in(a, i, c, D);
   __syncthreads();
   const float levels = (float)((1 << p.bits) - 1);
-  if (c < groups) {
+  // Warp w fits groups w, w + D/32, ...
+  for (int gw = c / 32; gw < groups; gw += D / 32) {
     float s, m;
-    group_fit(x + c * p.group, p.group, levels, s, m);
-    sc[c] = s;
-    mn[c] = m;
-    kvq::store_f16(out + 4 * c, s);
-    kvq::store_f16(out + 4 * c + 2, m);
+    group_fit(x + gw * p.group, p.group, levels, s, m);
+    if ((c & 31) == 0) {
+      sc[gw] = s;
+      mn[gw] = m;
+      kvq::store_f16(out + 4 * gw, s);
+      kvq::store_f16(out + 4 * gw + 2, m);
+    }
   }
   __syncthreads();
   const int g = c / p.group;

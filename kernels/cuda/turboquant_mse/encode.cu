@@ -15,11 +15,12 @@ struct ScalarEncodeParams {
   float sigma;
 };
 
-// Writes the scalar code of x (this thread's coordinate xv) to `out`; leaves the indices in
+// Writes the scalar code of x (this thread's coordinate xv) to `out` (unless `write` is false:
+// a block that shares the row with others, the same for the whole block); leaves the indices in
 // `idx` and returns the f16-rounded norm (what decoding will use).
 __device__ inline float scalar_encode_row(const ScalarEncodeParams& p, int head, float xv,
                                           float* u, uint8_t* idx, float* red, uint8_t* out,
-                                          int D) {
+                                          int D, bool write = true) {
   const int c = threadIdx.x;
   const float norm = sqrtf(block_sum(xv * xv, red));
   u[c] = xv * __ldg(p.signs + (long long)head * D + c);
@@ -30,8 +31,10 @@ __device__ inline float scalar_encode_row(const ScalarEncodeParams& p, int head,
   int k = 0;
   for (int j = 0; j < nt; j++) k += __ldg(p.thresholds + j) < y;
   idx[c] = p.code_of[k];
-  pack_codes(idx, p.bits, D, out + 2);
-  if (c == 0) store_f16(out, norm);
+  if (write) {
+    pack_codes(idx, p.bits, D, out + 2);
+    if (c == 0) store_f16(out, norm);
+  }
   return __half2float(__float2half_rn(norm));
 }
 

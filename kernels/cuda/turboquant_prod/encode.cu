@@ -1,6 +1,8 @@
 // Encode of TurboQuant-Prod keys: the (b-1)-bit scalar stage, its reconstruction (levels times
 // the f16 norm, rotated back), the residual's norm (f16) and the sign sketch of the residual
-// packed with warp ballots (kvq-cache turboquant_prod `encode`). One block of D threads per row.
+// packed with warp ballots (kvq-cache turboquant_prod `encode`). Blocks of D threads: ceil(m / 32)
+// per row (blockIdx.y), each computing the row's stage and residual and 32 of its signs; block
+// y = 0 also writes the stage's codes and both norms.
 #include "../turboquant_mse/encode.cu"
 
 struct ProdEncodeParams {
@@ -19,7 +21,8 @@ __device__ void prod_encode(const kvq::EncodeArgs& a, const ProdEncodeParams& p)
   const int head = (int)(i / a.t), c = threadIdx.x;
   uint8_t* out = kvq::enc_out(a, i);
   const float xv = kvq::enc_in(a, i, c, D);
-  const float norm = kvq::scalar_encode_row(p.scalar, head, xv, u, idx, red, out, D);
+  const bool first = blockIdx.y == 0;
+  const float norm = kvq::scalar_encode_row(p.scalar, head, xv, u, idx, red, out, D, first);
   // Decode the stage: w * levels[idx], then x <- D H x / sqrt(D).
   __syncthreads();
   u[c] = norm * p.scalar.sigma * __ldg(p.levels + idx[c]);
@@ -30,7 +33,7 @@ __device__ void prod_encode(const kvq::EncodeArgs& a, const ProdEncodeParams& p)
   __syncthreads();
   u[c] = r;
   const int at = 2 + D * p.scalar.bits / 8;
-  if (c == 0) kvq::store_f16(out + at, rn);
+  if (first && c == 0) kvq::store_f16(out + at, rn);
   kvq::sketch_signs(p.mats + (long long)head * D * p.m, u, D, p.m, out + at + 2);
 }
 

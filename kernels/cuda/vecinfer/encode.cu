@@ -2,7 +2,7 @@
 // thread per sub-vector, the 256 centroids in shared memory, the running minimum in registers
 // (never an [N, centroids, sub] intermediate; O(N) memory: the input and the indices).
 // `kvq_encode_vq_d{D}`: a key (divided by lambda) or value rotated in shared memory, then each
-// of its D/sub sub-vectors coded by the same search against its sub-position's codebook.
+// of its D/sub sub-vectors coded against its sub-position's codebook by a warp (`vq_search`).
 #include "../common/encode.cuh"
 
 namespace kvq {
@@ -67,6 +67,59 @@ struct VqEncodeParams {
   int nb, sub;
 };
 
+// The nearest centroid of each of the row's D/S sub-vectors (u, rotated, in shared memory) in
+// its sub-position's codebook: warp w takes sub-vectors w, w + D/32, ...; lane l scores centroids
+// l, l + 32, ..., l + 224 (coalesced 16-byte loads, all in flight at once), then the warp's
+// argmin by shuffles, ties to the lowest index: the centroid `kvq::nearest` picks, found by 32
+// lanes instead of one thread walking 256 centroids (a decode step codes one token per head, so
+// that walk's latency was the step's cost).
+template <int D, int S>
+__device__ inline void vq_search(const float* u, const VqEncodeParams& p, uint8_t* out) {
+  const int lane = threadIdx.x & 31;
+  for (int s = threadIdx.x / 32; s < D / S; s += D / 32) {
+    const float* book = p.books + (long long)(p.nb == 1 ? 0 : s) * 256 * S;
+    float x[S];
+#pragma unroll
+    for (int k = 0; k < S; k++) x[k] = u[s * S + k];
+    float best = INFINITY;
+    unsigned bi = 0;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+      const unsigned c = r * 32 + lane;
+      const float4* c4 = reinterpret_cast<const float4*>(book + c * S);
+      float e[S];
+#pragma unroll
+      for (int k = 0; k < S / 4; k++) {
+        const float4 f = __ldg(c4 + k);
+        e[4 * k] = f.x;
+        e[4 * k + 1] = f.y;
+        e[4 * k + 2] = f.z;
+        e[4 * k + 3] = f.w;
+      }
+      float d = 0.f;
+#pragma unroll
+      for (int k = 0; k < S; k++) {
+        const float v = x[k] - e[k];
+        d = fmaf(v, v, d);
+      }
+      if (d < best) {
+        best = d;
+        bi = c;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob < best || (ob == best && oi < bi)) {
+        best = ob;
+        bi = oi;
+      }
+    }
+    if (lane == 0) out[s] = (uint8_t)bi;
+  }
+}
+
 template <int D>
 __device__ void vq_encode(const kvq::EncodeArgs& a, const VqEncodeParams& p) {
   __shared__ float u[D];
@@ -78,13 +131,10 @@ __device__ void vq_encode(const kvq::EncodeArgs& a, const VqEncodeParams& p) {
   kvq::fwht_row(u, D);
   u[c] *= rsqrtf((float)D);
   __syncthreads();
-  const int ns = D / p.sub;
-  if (c < ns) {
-    const float* book = p.books + (long long)(p.nb == 1 ? 0 : c) * 256 * p.sub;
-    const unsigned k = p.sub == 4 ? kvq::nearest<4>(u + c * 4, book)
-                                  : kvq::nearest<8>(u + c * 8, book);
-    kvq::enc_out(a, i)[c] = (uint8_t)k;
-  }
+  if (p.sub == 4)
+    vq_search<D, 4>(u, p, kvq::enc_out(a, i));
+  else
+    vq_search<D, 8>(u, p, kvq::enc_out(a, i));
 }
 
 #define KVQ_VQ_ENCODE(D)                                                                     \

@@ -1,5 +1,5 @@
-//! Launching the encode kernels (one block of head_dim threads per row) and the fused
-//! nearest-centroid search on CUDA.
+//! Launching the encode kernels (one block of head_dim threads per row; ceil(m / 32) per row for
+//! sign sketches) and the fused nearest-centroid search on CUDA.
 
 use super::{EncodeArgs, EncodeParams, check_launch, drv, function, sm_count};
 use candle_core::cuda_backend::CudaDevice;
@@ -79,10 +79,20 @@ pub fn launch_encode_into(
         EncodeParams::Vq(_) => ("vecinfer_encode", format!("kvq_encode_vq_d{d}")),
     };
     let f = function(dev, module, &name)?;
+    // Sign sketches: ceil(m / 32) blocks per row, each packing 32 signs (kernels/cuda/common
+    // encode.cuh `sketch_signs`), so one token's S is read by many multiprocessors at once.
+    let slices = match params {
+        EncodeParams::Prod(p) => p.m,
+        EncodeParams::QjlKeys(p) => p.m,
+        _ => 1,
+    };
+    let slices = u32::try_from(slices.max(1))
+        .map_err(|_| candle_core::Error::Msg("cuda: bad sketch size".into()))?
+        .div_ceil(32);
     let cfg = LaunchConfig {
         grid_dim: (
             u32::try_from(rows).map_err(|_| candle_core::Error::Msg("too many rows".into()))?,
-            1,
+            slices,
             1,
         ),
         block_dim: (d as u32, 1, 1),
