@@ -27,6 +27,20 @@ __device__ inline unsigned nearest(const float* x, const float* books) {
   return bi;
 }
 
+// S floats from global memory at `p` (16-byte aligned), in 16-byte loads.
+template <int S>
+__device__ inline void ldg_floats(const float* p, float v[S]) {
+  const float4* p4 = reinterpret_cast<const float4*>(p);
+#pragma unroll
+  for (int k = 0; k < S / 4; k++) {
+    const float4 f = __ldg(p4 + k);
+    v[4 * k] = f.x;
+    v[4 * k + 1] = f.y;
+    v[4 * k + 2] = f.z;
+    v[4 * k + 3] = f.w;
+  }
+}
+
 }  // namespace kvq
 
 template <int S>
@@ -37,15 +51,7 @@ __device__ void nearest_all(const float* x, long long n, const float* centroids,
   for (long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x; r < n;
        r += (long long)gridDim.x * blockDim.x) {
     float v[S];
-    const float4* x4 = reinterpret_cast<const float4*>(x + r * S);
-#pragma unroll
-    for (int k = 0; k < S / 4; k++) {
-      const float4 f = __ldg(x4 + k);
-      v[4 * k] = f.x;
-      v[4 * k + 1] = f.y;
-      v[4 * k + 2] = f.z;
-      v[4 * k + 3] = f.w;
-    }
+    kvq::ldg_floats<S>(x + r * S, v);
     out[r] = kvq::nearest<S>(v, books);
   }
 }
@@ -86,16 +92,8 @@ __device__ inline void vq_search(const float* u, const VqEncodeParams& p, uint8_
 #pragma unroll
     for (int r = 0; r < 8; r++) {
       const unsigned c = r * 32 + lane;
-      const float4* c4 = reinterpret_cast<const float4*>(book + c * S);
       float e[S];
-#pragma unroll
-      for (int k = 0; k < S / 4; k++) {
-        const float4 f = __ldg(c4 + k);
-        e[4 * k] = f.x;
-        e[4 * k + 1] = f.y;
-        e[4 * k + 2] = f.z;
-        e[4 * k + 3] = f.w;
-      }
+      kvq::ldg_floats<S>(book + c * S, e);
       float d = 0.f;
 #pragma unroll
       for (int k = 0; k < S; k++) {
