@@ -118,13 +118,12 @@ fn next_f16(x: half::f16, step: i16) -> Option<half::f16> {
 
 /// What a fast kernel keeps in shared memory besides its stages (kernels/cuda/common/fast.cuh
 /// `fast_layout`): rows of pair tables, k steps of sketch fragments, floats of projection
-/// scratch, and whether the query fragments live there.
+/// scratch (the query fragments always have their place).
 #[derive(Debug, Clone, Copy)]
 pub struct Tables {
     pub rows: usize,
     pub sketch_steps: usize,
     pub proj_floats: usize,
-    pub qfrag: bool,
 }
 
 impl Tables {
@@ -134,28 +133,25 @@ impl Tables {
             rows: 1 << (2 * kb.max(vb)),
             sketch_steps: if sketch { d / 16 } else { 0 },
             proj_floats: if sketch { 4 * 8 * d } else { 0 },
-            qfrag: d > 128,
         }
     }
 
     /// The VecInfer kernel: `bytes` of f16 codebooks (keys' and values', a multiple of 256).
-    pub fn books(bytes: usize, d: usize) -> Self {
+    pub fn books(bytes: usize) -> Self {
         Self {
             rows: bytes.div_ceil(256),
             sketch_steps: 0,
             proj_floats: 0,
-            qfrag: d > 128,
         }
     }
 
     /// The QJL kernel: value pair tables of `vb` bits, a sketch padded to `m_pad` (a multiple
-    /// of 64); the query fragments of its exact rows' block at d = 256.
-    pub fn qjl(d: usize, vb: usize, m_pad: usize) -> Self {
+    /// of 64).
+    pub fn qjl(vb: usize, m_pad: usize) -> Self {
         Self {
             rows: 1 << (2 * vb),
             sketch_steps: m_pad / 16,
             proj_floats: 8 * m_pad,
-            qfrag: d > 128,
         }
     }
 }
@@ -172,12 +168,10 @@ pub fn smem(
         at += 16 * 256;
     }
     at += 8 * d * 4;
-    if t.qfrag {
-        at += (d / 16) * 32 * 16;
-    }
+    at += (d / 16) * 32 * 16;
     at += t.sketch_steps * 32 * 16 + t.proj_floats * 4;
     at += 2 * nw * 8 * 4 + 16;
-    let stage = |cb: usize| (16 * cb + 32 + 15) & !15;
+    let stage = |cb: usize| (16 * cb + 48 + 15) & !15;
     let stages = nw * stages * (stage(kcb) + stage(vcb));
     let merge = nw * 8 * (d + d / 16 + 1) * 4;
     let fin = 8 * (MAX_SLOTS + 1) * 4 + 8 * d * 4;
@@ -290,7 +284,7 @@ mod tests {
                 (2 * 4 * d - 5 * d / 2, 4),
             ] {
                 let (kcb, vcb) = (2 + m / 8 + 3 * o, 4 * (d / 64) + d / 4);
-                let t = Tables::qjl(d, 2, m.div_ceil(64) * 64);
+                let t = Tables::qjl(2, m.div_ceil(64) * 64);
                 assert!(
                     smem(d, t, (nw, 3), (kcb, vcb)) <= MAX_SMEM,
                     "qjl d {d} m {m}"
@@ -299,8 +293,8 @@ mod tests {
             // VecInfer: per-position codebooks fit up to d = 128, shared ones everywhere.
             for sub in [4, 8] {
                 let cb = d / sub;
-                let shared = smem(d, Tables::books(2 * 256 * sub * 2, d), (nw, 3), (cb, cb));
-                let per_pos = smem(d, Tables::books(2 * d * 512, d), (nw, 3), (cb, cb));
+                let shared = smem(d, Tables::books(2 * 256 * sub * 2), (nw, 3), (cb, cb));
+                let per_pos = smem(d, Tables::books(2 * d * 512), (nw, 3), (cb, cb));
                 assert!(shared <= MAX_SMEM, "vq d {d} s {sub} shared");
                 assert_eq!(
                     per_pos <= MAX_SMEM,

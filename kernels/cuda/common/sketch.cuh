@@ -85,12 +85,15 @@ __device__ void sketch_project(const ProjectArgs& a) {
 #pragma unroll
   for (int g = 0; g < GH; g++) acc[g] = 0.f;
   if (c < a.m) {
-#pragma unroll 8
-    for (int j = jq * (D / 4); j < (jq + 1) * (D / 4); j++) {
-      const float s = __ldg(S + (long long)j * a.m + c);
+    // Every load of this thread's quarter first (one memory latency, not D / 32 of them), then
+    // the same sums in the same order.
+    float sv[D / 4];
 #pragma unroll
-      for (int g = 0; g < GH; g++) acc[g] = fmaf(s, qs[g][j], acc[g]);
-    }
+    for (int jj = 0; jj < D / 4; jj++) sv[jj] = __ldg(S + (long long)(jq * (D / 4) + jj) * a.m + c);
+#pragma unroll
+    for (int jj = 0; jj < D / 4; jj++)
+#pragma unroll
+      for (int g = 0; g < GH; g++) acc[g] = fmaf(sv[jj], qs[g][jq * (D / 4) + jj], acc[g]);
   }
 #pragma unroll
   for (int g = 0; g < GH; g++) part[jq][g][i] = acc[g];

@@ -25,6 +25,29 @@ __device__ inline unsigned lds16(const uint8_t* smem, int off) {
   return (unsigned)smem[off] | ((unsigned)smem[off + 1] << 8);
 }
 
+// `sc` plus a key row's OC exact outlier channels against head g's query `qg`: the row's
+// outlier bytes at `at` (OC channel indices, then OC f16 values) read as words, the fields taken
+// out of registers at offsets known at compile time (the presets have 0, 1 or 4 outliers). The
+// same products and order as the generic loop.
+template <int D, int OC>
+__device__ inline float qjl_outliers(const uint8_t* smem, int at, const float* qg, float sc) {
+  constexpr int NW = (3 * OC + 3) / 4;
+  unsigned w[NW + 1];
+  lds_words<NW>(smem, at, w);
+  w[NW] = 0u;
+#pragma unroll
+  for (int o = 0; o < OC; o++) {
+    const unsigned ch = (w[o >> 2] >> (8 * (o & 3))) & 0xffu;
+    constexpr int VB0 = OC;  // first value byte
+    const int vb = VB0 + 2 * o;
+    const unsigned bits = (vb & 3) == 3 ? __funnelshift_r(w[vb >> 2], w[(vb >> 2) + 1], 24)
+                                        : w[vb >> 2] >> (8 * (vb & 3));
+    const float v = __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
+    if (ch < (unsigned)D) sc = fmaf(qg[ch], v, sc);
+  }
+  return sc;
+}
+
 // The sketch padded to a multiple of 64 (a whole number of k steps in each lane's quarter).
 __host__ __device__ inline int qjl_mpad(int m) { return (m + 63) & ~63; }
 
@@ -41,9 +64,9 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   const FastBlock k = fast_block(a);
   float* qs = reinterpret_cast<float*>(smem + L.qs);
 
-  // This block's rows (a split of the query row's code range), the first copies started.
+  // This block's rows (a split of the query row's code range); their copies start once the
+  // prologue's own reads are back.
   const FastChunks<NW> ch(a, L, k);
-  ch.start(smem);
 
   // Queries (the outliers' exact products); the value pair table (codes as f16 integers, in
   // each row's value slots); the sign table; the projections padded with zeros.
@@ -60,12 +83,19 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     }
     float* pj = reinterpret_cast<float*>(smem + L.proj);  // [8][mpad]
     const long long prow = ((long long)k.b * a.nh + k.h0) * a.T + k.t;
-    for (int i = tid; i < 8 * mpad; i += NT) {
-      const int h = i / mpad, c = i % mpad;
-      pj[i] = h < k.gb && c < m ? kp.sketch.proj[(prow + (long long)h * a.T) * m + c] : 0.f;
+    // 16 bytes at a time, four in flight per thread (m is a multiple of 8: rows stay aligned).
+    float4* pj4 = reinterpret_cast<float4*>(pj);
+#pragma unroll 4
+    for (int i = tid; i < 2 * mpad; i += NT) {
+      const int h = i / (mpad / 4), c = 4 * (i % (mpad / 4));
+      pj4[i] = h < k.gb && c < m ? __ldg(reinterpret_cast<const float4*>(
+                                       kp.sketch.proj + (prow + (long long)h * a.T) * m + c))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
   __syncthreads();
+  fast_mark(f, 5);
+  ch.start(smem);  // after the prologue's reads: they do not queue behind every block's copies
   {
     const float* pj = reinterpret_cast<const float*>(smem + L.proj);
     uint4* sf = reinterpret_cast<uint4*>(smem + L.sfrag);
@@ -83,6 +113,7 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   float m_run = -INFINITY, l = 0.f;
   float acc[MT][4];
   fast_zero<MT>(acc);
+  fast_mark(f, 1);
 
   for (int i = 0; i < ch.count; i++) {
     int kt, vt;
@@ -123,11 +154,17 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
         const int row = kt + tok * a.kcb;
         float sc = ((c[nt][0][e] + c[nt][1][e]) + (c[nt][0][2 + e] + c[nt][1][2 + e])) *
                    __half2float(__ushort_as_half((unsigned short)lds16(smem, row)));
-        for (int o = 0; o < O; o++) {
-          const int ch_ = smem[row + out_at + o];
-          const float v =
-              __half2float(__ushort_as_half((unsigned short)lds16(smem, row + out_at + O + 2 * o)));
-          if (ch_ < D) sc = fmaf(qs[g * D + ch_], v, sc);
+        if (O == 4) {
+          sc = qjl_outliers<D, 4>(smem, row + out_at, qs + g * D, sc);
+        } else if (O == 1) {
+          sc = qjl_outliers<D, 1>(smem, row + out_at, qs + g * D, sc);
+        } else {
+          for (int o = 0; o < O; o++) {
+            const int ch_ = smem[row + out_at + o];
+            const float v = __half2float(
+                __ushort_as_half((unsigned short)lds16(smem, row + out_at + O + 2 * o)));
+            if (ch_ < D) sc = fmaf(qs[g * D + ch_], v, sc);
+          }
         }
         s[nt][e] = tok < n ? sc * a.scale : -INFINITY;
       }
@@ -164,7 +201,8 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
+  ch.stop(smem);
+  fast_mark(f, 2);
   fast_finish<D, NW>(a, f, L, smem, acc, m_run, l, k, nullptr, 1.f);
 }
 
@@ -172,9 +210,9 @@ template <int D, int VB, int NW>
 __device__ inline void qjl_fast_entry(const AttendArgs& a, const QjlKeyParams& kp,
                                       const GroupParams& vp, const FastArgs& f, uint8_t* smem) {
   const int mpad = qjl_mpad(kp.sketch.m);
-  const FastLayout L = fast_layout(D, 1 << (2 * VB), mpad / 16, 8 * mpad, D > 128, NW, a.kcb,
-                                   a.vcb);
+  const FastLayout L = fast_layout(D, 1 << (2 * VB), mpad / 16, 8 * mpad, NW, a.kcb, a.vcb);
   fast_check_smem(L);
+  fast_mark(f, 0);
   if (f.exact && blockIdx.x == gridDim.x - 1)
     fast_exact<D, NW>(a, f, L, smem, nullptr, 1.f);
   else

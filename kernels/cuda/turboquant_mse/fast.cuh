@@ -11,7 +11,8 @@
 // one byte permute (which forms the table address from the code byte and the lane's slot) and
 // one shared load give a whole B (keys) or half an A (values) register, bank-conflict free (each
 // lane reads its own bank). 64 KiB of tables at 4 bits: one block of 16 warps per
-// multiprocessor, chunks copied with cp.async three deep per warp, every block started at once.
+// multiprocessor, chunks copied by the bulk copy engine three deep per warp, every block started
+// at once.
 // Levels are scaled before rounding to f16 by a factor the host picks so they round nearly
 // exactly (kvq-kernels cuda/fast.rs), and divided back out of the scores and the output.
 #pragma once
@@ -43,24 +44,40 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   constexpr int VSPAN = D / 8, VSB = VSPAN * VB / 8, VSW = (VSB + 3) / 4;
   constexpr int KSTEPS = D / 16, MT = D / 16;
   constexpr int SGB = D / 32, SGW = (SGB + 3) / 4, RNORM = 2 + D * KB / 8;
-  constexpr bool QREG = D <= 128;
   const ScalarParams& kp = fast_scalar<SKETCH>(kpar);
   constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
-  const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
-                                   !QREG, NW, a.kcb, a.vcb);
+  const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0, NW,
+                                   a.kcb, a.vcb);
   fast_check_smem(L);
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
   const int kh = k.kh, gb = k.gb;
   float* qs = reinterpret_cast<float*>(smem + L.qs);
 
-  // This block's rows (a split of the query row's code range), the first copies started.
+  // This block's rows (a split of the query row's code range); their copies start once the
+  // prologue's own reads are back.
   const FastChunks<NW> ch(a, L, k);
-  ch.start(smem);
 
   // Queries (rows gb..7 zero); tables; sketch projections.
   const float* qrows = k.qrows;
-  fast_load_queries<D, NT>(a, k, qs);
+  // Every global read of the prologue issued at once (one latency, not three): the scaled
+  // levels into the softmax-state words (free until the finish), the queries already times the
+  // rotation signs (the same products as below).
+  float* lvl = reinterpret_cast<float*>(smem + L.wm);  // [0, 16): keys, [16, 32): values
+  if (tid < (1 << KB))
+    lvl[tid] = kp.levels[tid] * kp.lev;
+  else if (tid >= 32 && tid < 32 + (1 << VB))
+    lvl[tid - 16] = vp.levels[tid - 32] * vp.lev;
+  {
+    const float* sgn = kp.signs + (long long)kh * D;
+    for (int i = tid; i < 8 * D; i += NT) {
+      const int h = i / D;
+      qs[i] = h < k.gb ? qrows[h * a.q_hstride + i % D] * __ldg(sgn + i % D) : 0.f;
+    }
+  }
+  __syncthreads();
+  fast_mark(f, 5);
+  ch.start(smem);  // after the prologue's reads: they do not queue behind every block's copies
   {
     // Pair tables: row i (256 bytes) holds 32 copies of the key entry, then 32 of the value
     // entry: (level[i & mask], level[i >> B]) * lev as f16.
@@ -69,13 +86,10 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     fast_pair_tables<NT>(
         smem + L.table, R,
         [&](int row) {
-          return row < KR ? pack_f2(kp.levels[row & ((1 << KB) - 1)] * kp.lev,
-                                    kp.levels[row >> KB] * kp.lev)
-                          : 0u;
+          return row < KR ? pack_f2(lvl[row & ((1 << KB) - 1)], lvl[row >> KB]) : 0u;
         },
         [&](int row) {
-          return row < VR ? pack_f2(vp.levels[row & ((1 << VB) - 1)] * vp.lev,
-                                    vp.levels[row >> VB] * vp.lev)
+          return row < VR ? pack_f2(lvl[16 + (row & ((1 << VB) - 1))], lvl[16 + (row >> VB)])
                           : 0u;
         });
     if constexpr (SKETCH) {
@@ -87,13 +101,12 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
       }
     }
   }
-  __syncthreads();
+  fast_mark(f, 6);
   {
-    // Rotate the queries: x <- H diag(signs) x / sqrt(D).
-    const float* sgn = kp.signs + (long long)kh * D;
-    for (int i = tid; i < 8 * D; i += NT) qs[i] *= __ldg(sgn + i % D);
-    __syncthreads();
-    fast_butterflies<NT>(qs, 8, D);
+    // Rotate the queries: x <- H diag(signs) x / sqrt(D) (the signs were applied at the load;
+    // the butterflies' barrier also ends the table fill).
+    fast_butterflies_warp<D, NW>(qs, gb);
+    fast_mark(f, 7);
     const float sc = rsqrtf((float)D);
     for (int i = tid; i < 8 * D; i += NT) qs[i] *= sc;
     if constexpr (SKETCH) {
@@ -139,6 +152,7 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
   fast_zero<MT>(acc);
+  fast_mark(f, 1);
 
   for (int i = 0; i < ch.count; i++) {
     int kt, vt;
@@ -219,7 +233,8 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
+  ch.stop(smem);
+  fast_mark(f, 2);
   fast_finish<D, NW>(a, f, L, smem, acc, m, l, k, vp.signs + (long long)kh * D,
                      vp.sigma / vp.lev);
 }
@@ -229,10 +244,11 @@ __device__ void fast_attend(const AttendArgs& a, const KP& kpar, const ScalarPar
 template <int D, int KB, int VB, bool SKETCH, int NW, class KP>
 __device__ inline void fast_entry(const AttendArgs& a, const KP& kp, const ScalarParams& vp,
                                   const FastArgs& f, uint8_t* smem) {
+  fast_mark(f, 0);
   if (f.exact && blockIdx.x == gridDim.x - 1) {
     constexpr int TROWS = 1 << (2 * (KB > VB ? KB : VB));
-    const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0,
-                                     D > 128, NW, a.kcb, a.vcb);
+    const FastLayout L = fast_layout(D, TROWS, SKETCH ? D / 16 : 0, SKETCH ? 4 * 8 * D : 0, NW,
+                                     a.kcb, a.vcb);
     fast_check_smem(L);
     const int kh = blockIdx.y / a.hchunks;
     fast_exact<D, NW>(a, f, L, smem, vp.signs + (long long)kh * D, vp.sigma / vp.lev);

@@ -24,9 +24,9 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
   float* qs = reinterpret_cast<float*>(smem + L.qs);
   const int kb_at = L.table, vb_at = L.table + vq_book_bytes(kp.nb, SUB);
 
-  // This block's rows (a split of the query row's code range), the first copies started.
+  // This block's rows (a split of the query row's code range); their copies start once the
+  // prologue's own reads are back.
   const FastChunks<NW> ch(a, L, k);
-  ch.start(smem);
 
   // Codebooks (16 bytes at a time), queries times lambda.
   {
@@ -38,14 +38,22 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
     for (int i = tid; i < kw; i += NT) dk[i] = __ldg(sk + i);
     for (int i = tid; i < vw; i += NT) dv[i] = __ldg(sv + i);
   }
-  fast_load_queries<D, NT>(a, k, qs);
-  __syncthreads();
   {
+    // The queries times lambda and the rotation signs in one pass of reads (the same products).
     const float* lam = kp.lambda + (long long)k.kh * D;
     const float* sgn = kp.signs + (long long)k.kh * D;
-    for (int i = tid; i < 8 * D; i += NT) qs[i] *= __ldg(lam + i % D) * __ldg(sgn + i % D);
-    __syncthreads();
-    fast_butterflies<NT>(qs, 8, D);
+    for (int i = tid; i < 8 * D; i += NT) {
+      const int h = i / D;
+      const float f = __ldg(lam + i % D) * __ldg(sgn + i % D);
+      qs[i] = h < k.gb ? k.qrows[h * a.q_hstride + i % D] * f : 0.f;
+    }
+  }
+  __syncthreads();
+  fast_mark(f, 5);
+  ch.start(smem);  // after the prologue's reads: they do not queue behind every block's copies
+  {
+    fast_butterflies_warp<D, NW>(qs, k.gb);
+    fast_mark(f, 7);
     const float sc = rsqrtf((float)D);
     for (int i = tid; i < 8 * D; i += NT) qs[i] *= sc;
     __syncthreads();
@@ -59,6 +67,7 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
   float m = -INFINITY, l = 0.f;
   float acc[MT][4];
   fast_zero<MT>(acc);
+  fast_mark(f, 1);
 
   for (int i = 0; i < ch.count; i++) {
     int kt, vt;
@@ -104,7 +113,8 @@ __device__ void vq_fast_attend(const AttendArgs& a, const VqParams& kp, const Vq
     fast_pv<MT>(acc, vw, pb0, pb1);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
+  ch.stop(smem);
+  fast_mark(f, 2);
   fast_finish<D, NW>(a, f, L, smem, acc, m, l, k, vp.signs + (long long)k.kh * D, 1.f);
 }
 
@@ -112,8 +122,9 @@ template <int D, int SUB, int NW>
 __device__ inline void vq_fast_entry(const AttendArgs& a, const VqParams& kp, const VqParams& vp,
                                      const FastArgs& f, uint8_t* smem) {
   const int rows = (vq_book_bytes(kp.nb, SUB) + vq_book_bytes(vp.nb, SUB)) / 256;
-  const FastLayout L = fast_layout(D, rows, 0, 0, D > 128, NW, a.kcb, a.vcb);
+  const FastLayout L = fast_layout(D, rows, 0, 0, NW, a.kcb, a.vcb);
   fast_check_smem(L);
+  fast_mark(f, 0);
   if (f.exact && blockIdx.x == gridDim.x - 1)
     fast_exact<D, NW>(a, f, L, smem, vp.signs + (long long)(blockIdx.y / a.hchunks) * D, 1.f);
   else

@@ -106,7 +106,7 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let vb = vp.bits as usize;
             let name = format!("kvq_fast_qjl_d{d}_v{vb}");
             let m_pad = (kp.sketch.m as usize).div_ceil(64) * 64;
-            ("qjl_fast", name, Tables::qjl(d, vb, m_pad))
+            ("qjl_fast", name, Tables::qjl(vb, m_pad))
         }
         // Both codebooks (f16) in shared memory: per-position books at d = 256 do not fit.
         (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
@@ -115,7 +115,7 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let sub = kp.sub as usize;
             let name = format!("kvq_fast_vq_d{d}_s{sub}");
             let bytes = (kp.nb + vp.nb) as usize * 256 * sub * 2;
-            ("vecinfer_fast", name, Tables::books(bytes, d))
+            ("vecinfer_fast", name, Tables::books(bytes))
         }
         _ => return None,
     };
@@ -282,7 +282,7 @@ pub(super) fn launch(
         part: address(&part, &stream, 0),
     };
     let [s0, s1] = extras.segments;
-    let f = FastArgs {
+    let mut f = FastArgs {
         xk: [s0.keys, s1.keys],
         xv: [s0.values, s1.values],
         xb: [s0.b_stride, s1.b_stride],
@@ -295,6 +295,7 @@ pub(super) fn launch(
         normalize: i32::from(normalize),
         exact: exact as i32,
         shift: extras.shift,
+        trace: 0,
     };
     let func = function_smem(dev, pl.module, &pl.name, pl.smem)?;
     let cfg = LaunchConfig {
@@ -306,6 +307,10 @@ pub(super) fn launch(
         block_dim: ((pl.nw * 32) as u32, 1, 1),
         shared_mem_bytes: pl.smem as u32,
     };
+    let trace = super::trace::start(dev, &pl.name, cfg.grid_dim, rows)?;
+    if let Some(t) = &trace {
+        f.trace = t.addr(dev);
+    }
     // QJL's keys need the queries' sketch projections first (one small launch).
     let mut keys = l.keys;
     let _proj = match keys {
@@ -327,6 +332,9 @@ pub(super) fn launch(
     // `out` and the counters, freed in stream order).
     drv(unsafe { b.launch(cfg) }, &pl.name)?;
     check_launch(&stream, &pl.name)?;
+    if let Some(t) = trace {
+        super::trace::finish(dev, t)?;
+    }
     drop(part);
     Ok(out)
 }

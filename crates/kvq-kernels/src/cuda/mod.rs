@@ -8,6 +8,7 @@ pub mod fast;
 pub mod ops;
 mod params;
 pub mod step;
+mod trace;
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, sys,

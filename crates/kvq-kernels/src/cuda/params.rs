@@ -95,6 +95,8 @@ pub struct FastArgs {
     pub exact: i32,
     /// `[B][nh][T]` f32 added to the code logits when `mu` is 0, or 0.
     pub shift: u64,
+    /// `[blocks][32]` u64 phase marks (cuda/trace.rs, `KVQ_FAST_TRACE`), or 0.
+    pub trace: u64,
 }
 
 #[repr(C)]
