@@ -116,7 +116,7 @@ fn next_f16(x: half::f16, step: i16) -> Option<half::f16> {
     Some(f16::from_bits((bits & 0x8000) | mag))
 }
 
-/// What a fast kernel keeps in shared memory besides its stages (kernels/cuda/common/fast.cuh
+/// What a fast kernel keeps in shared memory besides its stages (kernels/cuda/common/fast_frame.cuh
 /// `fast_layout`): rows of pair tables, k steps of sketch fragments, floats of projection
 /// scratch (the query fragments always have their place).
 #[derive(Debug, Clone, Copy)]
@@ -156,7 +156,7 @@ impl Tables {
     }
 }
 
-/// Shared-memory bytes of a block (common/fast.cuh `fast_layout`, field for field).
+/// Shared-memory bytes of a block (common/fast_frame.cuh `fast_layout`, field for field).
 pub fn smem(
     d: usize,
     t: Tables,

@@ -74,7 +74,7 @@ pub struct ScalarParams {
     pub lev: f32,
 }
 
-/// The version-5 kernels' extra arguments (kernels/cuda/turboquant_mse/fast.cuh `FastArgs`).
+/// The version-5/6 kernels' extra arguments (kernels/cuda/common/fast_frame.cuh `FastArgs`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FastArgs {

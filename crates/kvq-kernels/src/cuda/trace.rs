@@ -1,10 +1,10 @@
-//! `KVQ_FAST_TRACE=FILE`: where the time of a version-5 attention launch goes. For a few launches
-//! of each kernel and grid (the 6th and the 26th, after warm-up), every block's thread 0 records
-//! the global timer and its multiprocessor's clock at up to 15 phases (fast.cuh `fast_mark`: start,
-//! chunk loop start and end, slot written, the last block's merge done, finer marks between); the launcher waits for
-//! the launch, copies the marks back and appends one JSON line per launch to FILE
-//! (scripts/gpu/fast_trace.py summarizes them). Off, nothing is allocated and the kernels skip
-//! the marks on a null pointer.
+//! `KVQ_FAST_TRACE=FILE`: where the time of a version-6 attention launch goes. For two launches
+//! of each kernel, grid and length (the 6th and the 26th, after warm-up), every block's thread 0
+//! records the global timer and its multiprocessor's clock at up to 15 phase marks
+//! (fast_frame.cuh `fast_mark`: start, chunk loop start and end, slot written, the last block's
+//! merge done, finer marks between); the launcher waits for the launch, copies the marks back
+//! and appends one JSON line per launch to FILE (scripts/gpu/fast_trace.py summarizes them). Off,
+//! nothing is allocated and the kernels skip the marks on a null pointer.
 
 use super::{address, drv};
 use candle_core::Result;
@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 
-/// u64 slots per block (fast.cuh `fast_mark`).
+/// u64 slots per block (fast_frame.cuh `fast_mark`).
 const SLOTS: usize = 32;
 
 fn target() -> Option<&'static str> {
