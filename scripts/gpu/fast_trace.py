@@ -44,7 +44,8 @@ def summarize(rec):
         if r[0] == 0:
             continue  # never marked (should not happen: every block marks its start)
         if s == 12:  # the first layout: five phases, SM id, five clocks
-            blocks.append({"x": i % gx, "t": r[0:5] + [0] * 10, "sm": r[5], "c": r[6:11] + [0] * 10})
+            blocks.append({"x": i % gx, "t": r[0:5] + [0] * 10, "sm": r[5],
+                           "c": r[6:11] + [0] * 10})
         else:
             blocks.append({"x": i % gx, "t": r[0:SLOTS_TIMER], "sm": r[SLOTS_TIMER],
                            "c": r[16:16 + SLOTS_TIMER]})
@@ -94,6 +95,11 @@ def summarize(rec):
     return row
 
 
+def cell(v):
+    """A summary value as printed: (median, max) pairs as median/max."""
+    return f"{v[0]}/{v[1]}" if isinstance(v, tuple) else str(v)
+
+
 def main():
     path = sys.argv[1]
     rows = []
@@ -102,15 +108,14 @@ def main():
             line = line.strip()
             if line:
                 rows.append(summarize(json.loads(line)))
-    cols = ["launch", "grid", "rows", "span", "start_skew", "prologue", "loop", "to_slot", "last_x_total",
-            "slots_done", "merge", "ghz", "sms"]
+    cols = ["launch", "grid", "rows", "span", "start_skew", "prologue", "loop", "to_slot",
+            "last_x_total", "slots_done", "merge", "ghz", "sms"]
     print("us from the first block's start; (median, max) over code-split blocks; last_x: the "
           "grid's last x blocks (the exact rows when the launch had any); slots_done: the last "
           "block's slot written; merge: the longest last-block merge")
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(str(r[c]) if not isinstance(r[c], tuple) else f"{r[c][0]}/{r[c][1]}"
-                         for c in cols))
+        print(" | ".join(cell(r[c]) for c in cols))
         print("   timeline (us):", r["timeline"])
     print("marks:", ", ".join(f"{k} {v}" for k, v in MARKS.items()))
     if "--csv" in sys.argv:
@@ -118,8 +123,7 @@ def main():
         with open(out, "w") as f:
             f.write(",".join(cols) + "\n")
             for r in rows:
-                f.write(",".join(str(r[c]) if not isinstance(r[c], tuple) else f"{r[c][0]}/{r[c][1]}"
-                                 for c in cols) + "\n")
+                f.write(",".join(cell(r[c]) for c in cols) + "\n")
 
 
 if __name__ == "__main__":
