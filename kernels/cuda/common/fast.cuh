@@ -1,4 +1,4 @@
-// The version-5 fused decode attention kernels' common parts (turboquant_mse/fast.cuh and the
+// The version-6 fused decode attention kernels' common parts (turboquant_mse/fast.cuh and the
 // families built on it): the frame (arguments, layout, tables, query fragments, softmax step),
 // the per-warp chunk copies, and the end of every block (the split merge, the exact rows).
 #pragma once

@@ -1,4 +1,4 @@
-// The version-5 kernels' code rows per warp (fast.cuh): chunks of 16 key and value rows copied
+// The version-6 kernels' code rows per warp (fast.cuh): chunks of 16 key and value rows copied
 // into shared memory by the bulk copy engine, KVQ_FAST_STAGES deep, each stage completing on a
 // transaction barrier.
 #pragma once

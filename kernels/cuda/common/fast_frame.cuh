@@ -1,4 +1,4 @@
-// The frame of the version-5 fused decode attention kernels (fast.cuh gathers it): their extra
+// The frame of the version-6 fused decode attention kernels (fast.cuh gathers it): their extra
 // arguments and phase marks, shared-memory layout, lookup-table addressing, the queries' rotation
 // and fragments, and the per-chunk online softmax and P V step.
 #pragma once

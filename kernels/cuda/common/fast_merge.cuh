@@ -1,4 +1,4 @@
-// The end of every version-5 block (fast.cuh): the warps' states merged into the block's slot
+// The end of every version-6 block (fast.cuh): the warps' states merged into the block's slot
 // of the partial rows, and in the last block of each (query row, kv head) to finish, every slot
 // merged (with the key center's logit shift, the inverse rotation of coded values, the exact
 // rows' slot) into the output; and the exact fp16 rows' block.

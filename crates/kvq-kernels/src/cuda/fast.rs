@@ -1,4 +1,4 @@
-//! Launching the version-5 fused decode attention (kernels/cuda/common/fast.cuh and its
+//! Launching the version-6 fused decode attention (kernels/cuda/common/fast.cuh and its
 //! families: turboquant_mse/fast.cuh for TurboQuant-MSE, -RVQ (1 to 4 bits) and -Prod (stage of
 //! 1 to 3 bits, values of the stage's width or one more, sketch of dimension d); qjl/fast.cu for
 //! QJL (2- or 4-bit groupwise values, after the queries' sketch projection, one small launch);

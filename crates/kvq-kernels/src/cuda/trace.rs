@@ -65,7 +65,7 @@ pub(super) fn start(
     if n != 5 && n != 25 {
         return Ok(None);
     }
-    let blocks = (grid.0 * grid.1 * grid.2) as usize;
+    let blocks = grid.0 as usize * grid.1 as usize * grid.2 as usize;
     let buf = dev.alloc_zeros::<u64>(blocks * SLOTS)?;
     Ok(Some(Trace { buf, key }))
 }
