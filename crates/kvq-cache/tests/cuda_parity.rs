@@ -1,9 +1,9 @@
 //! Parity of every CUDA kernel with its CPU definition, on fresh random inputs of several shapes
-//! (head_dim 64 / 128 / 256; 1, 7, 4096 and 32768 positions; GQA groups 1, 3 and 4): the fused
-//! attention against the CPU op on the same codes (relative L2 of the normalized output and the
-//! log-sum-exp), encode by the reconstruction error of its codes against the CPU encoder's, the
-//! nearest-centroid search by the distance of the centroid it picks. Outputs are poisoned
-//! (`KVQ_CUDA_POISON`: NaN for f32) and every launch is synchronized and checked
+//! (head_dim 64 / 128 / 256; 1, 7, 4096 and 32768 positions; GQA groups 1, 3, 4, 7 and 8): the
+//! fused attention against the CPU op on the same codes (relative L2 of the normalized output
+//! and the log-sum-exp), encode by the reconstruction error of its codes against the CPU
+//! encoder's, the nearest-centroid search by the distance of the centroid it picks. Outputs are
+//! poisoned (`KVQ_CUDA_POISON`: NaN for f32) and every launch is synchronized and checked
 //! (`KVQ_CUDA_SYNC`). Needs the `cuda` feature and a GPU; `scripts/gpu-suite` runs it and the
 //! sanitizer passes (`small_` tests) on the GPU machine.
 #![cfg(feature = "cuda")]
@@ -87,6 +87,9 @@ fn attend_matches_the_cpu_op() {
         (128, 3, &[4096]),
         (256, 3, &[1, 7, 4096, 32768]),
         (256, 4, &[4096]),
+        // Groups past 4: blocks of 7 and 8 heads (QJL's s8 scores take two tiles of 4 heads).
+        (64, 7, &[4096]),
+        (128, 8, &[7, 4096]),
     ];
     let mut rows = Vec::new();
     for &(d, group, ns) in shapes {
@@ -433,8 +436,10 @@ fn nearest_matches_the_cpu_search() {
 fn small_every_kernel() {
     let mut rows = Vec::new();
     for c in cases(64) {
-        let (e, l) = attend_check(&c, 64, 3, 300, 1, decode_params(300, 64));
-        rows.push((format!("{} small", c.name), e, l));
+        for group in [3, 8] {
+            let (e, l) = attend_check(&c, 64, group, 300, 1, decode_params(300, 64));
+            rows.push((format!("{} small g{group}", c.name), e, l));
+        }
         let x = host(&gauss(KVH * 5 * 64, seed()), &[KVH, 5, 64])
             .to_device(&cuda())
             .unwrap();

@@ -20,6 +20,19 @@ __device__ inline void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// c += A B for one 16x8x32 tile (s8 inputs, s32 accumulators). Four bytes per register:
+// A a0 (row g, cols 4t..4t+3), a1 (row g+8, same), a2 (row g, cols 16+4t..16+4t+3), a3 (row g+8,
+// same); B b0 (rows 4t..4t+3, col g), b1 (rows 16+4t..16+4t+3, col g); C as m16n8k16's. The
+// lowest byte is the lowest column (A) or row (B).
+__device__ inline void mma_16832_s8(int c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                    unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Two f16 bit patterns as one register, `lo` in the lower half.
 __device__ inline unsigned pack_u16(unsigned lo, unsigned hi) { return __byte_perm(lo, hi, 0x5410); }
 

@@ -1,13 +1,16 @@
-// Version-5 fused decode attention of QJL (the frame of common/fast.cuh): one launch per layer
-// and decode step after the sketch projection. Keys: m16n8k16 mmas of the query's projection
-// sqrt(pi/2)/m S q (split hi + lo, the k dimension padded to a multiple of 64 with zeros) against
-// the key's sign bits, each 4 bits turned into two f16 pairs of +-1 by a per-lane shared table,
-// times the key norm, plus the exact outlier channels; values: groupwise codes through a per-lane
-// pair table of the codes as f16 integers, scaled and shifted by the token's group scale and
-// minimum in one f16x2 fma, summed by P V mmas. No rotation: the merge adds the slots as they are.
+// Version-6 fused decode attention of QJL (the frame of common/fast.cuh): one launch per layer
+// and decode step after the sketch projection. Keys (scores.cuh): s8 m16n8k32 mmas of the key's
+// sign bits (16 tokens as the A rows, +-1 bytes from a 16-word nibble table) against the query's
+// projection sqrt(pi/2)/m S q as two s8 columns per head (hi and lo parts, the k dimension padded
+// to a multiple of 64 with zeros), times the key norm, plus the exact outlier channels; values:
+// groupwise codes through a per-lane pair table of the codes as f16 integers, scaled and shifted
+// by the token's group scale and minimum in one f16x2 fma, summed by P V mmas. No rotation: the
+// merge adds the slots as they are. KVQ_QJL_F16 keeps version 5's keys for comparison (f16
+// m16n8k16 mmas, the projection split hi + lo as the A rows, two mmas per k step and chunk).
 #include "../common/fast.cuh"
 #include "../turboquant_mse/mma.cuh"
 #include "params.cuh"
+#include "scores.cuh"
 
 namespace kvq {
 
@@ -17,35 +20,6 @@ __device__ inline unsigned hfma2_bits(unsigned x, unsigned s, unsigned m) {
                             *reinterpret_cast<const __half2*>(&s),
                             *reinterpret_cast<const __half2*>(&m));
   return *reinterpret_cast<const unsigned*>(&r);
-}
-
-// A 16-bit little-endian field at any byte offset: key rows may have odd lengths (their
-// outliers take 3 bytes each), so their fields are read byte by byte.
-__device__ inline unsigned lds16(const uint8_t* smem, int off) {
-  return (unsigned)smem[off] | ((unsigned)smem[off + 1] << 8);
-}
-
-// `sc` plus a key row's OC exact outlier channels against head g's query `qg`: the row's
-// outlier bytes at `at` (OC channel indices, then OC f16 values) read as words, the fields taken
-// out of registers at offsets known at compile time (the presets have 0, 1 or 4 outliers). The
-// same products and order as the generic loop.
-template <int D, int OC>
-__device__ inline float qjl_outliers(const uint8_t* smem, int at, const float* qg, float sc) {
-  constexpr int NW = (3 * OC + 3) / 4;
-  unsigned w[NW + 1];
-  lds_words<NW>(smem, at, w);
-  w[NW] = 0u;
-#pragma unroll
-  for (int o = 0; o < OC; o++) {
-    const unsigned ch = (w[o >> 2] >> (8 * (o & 3))) & 0xffu;
-    constexpr int VB0 = OC;  // first value byte
-    const int vb = VB0 + 2 * o;
-    const unsigned bits = (vb & 3) == 3 ? __funnelshift_r(w[vb >> 2], w[(vb >> 2) + 1], 24)
-                                        : w[vb >> 2] >> (8 * (vb & 3));
-    const float v = __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
-    if (ch < (unsigned)D) sc = fmaf(qg[ch], v, sc);
-  }
-  return sc;
 }
 
 // The sketch padded to a multiple of 64 (a whole number of k steps in each lane's quarter).
@@ -58,7 +32,10 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   static_assert(VB == 2 || VB == 4, "value codes of 2 or 4 bits");
   constexpr int NT = NW * 32;
   constexpr int VSPAN = D / 8, VSB = VSPAN * VB / 8, VSW = (VSB + 3) / 4, MT = D / 16;
-  const int m = kp.sketch.m, mpad = qjl_mpad(m), SK = mpad / 16, span = mpad / 4;
+  const int m = kp.sketch.m, mpad = qjl_mpad(m);
+#ifdef KVQ_QJL_F16
+  const int SK = mpad / 16, span = mpad / 4;
+#endif
   const int O = kp.outliers, groups = D / vp.group;
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const FastBlock k = fast_block(a);
@@ -76,11 +53,13 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     fast_pair_tables<NT>(
         smem + L.table, VR, [](int) { return 0u; },
         [](int row) { return pack_f2((float)(row & ((1 << VB) - 1)), (float)(row >> VB)); });
+#ifdef KVQ_QJL_F16
     uint2* sg = reinterpret_cast<uint2*>(smem + L.signs);
     for (int i = tid; i < 16 * 32; i += NT) {
       const unsigned n = i >> 5;
       sg[i] = make_uint2(signs_f16x2(n, 0), signs_f16x2(n, 2));
     }
+#endif
     float* pj = reinterpret_cast<float*>(smem + L.proj);  // [8][mpad]
     const long long prow = ((long long)k.b * a.nh + k.h0) * a.T + k.t;
     // 16 bytes at a time, four in flight per thread (m is a multiple of 8: rows stay aligned).
@@ -96,6 +75,7 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
   __syncthreads();
   fast_mark(f, 5);
   ch.start(smem);  // after the prologue's reads: they do not queue behind every block's copies
+#ifdef KVQ_QJL_F16
   {
     const float* pj = reinterpret_cast<const float*>(smem + L.proj);
     uint4* sf = reinterpret_cast<uint4*>(smem + L.sfrag);
@@ -105,10 +85,18 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     }
   }
   __syncthreads();
+#else
+  const int ht_count = k.gb > 4 ? 2 : 1;  // tiles of 4 heads in the B operand
+  qjl_i8_prologue<NT>(smem, L, reinterpret_cast<const float*>(smem + L.proj), mpad, ht_count);
+#endif
 
+#ifdef KVQ_QJL_F16
   const uint4* sf = reinterpret_cast<const uint4*>(smem + L.sfrag);
-  const unsigned lv = lane * 4 + 128, ls = lane * 8;
-  const int signs_at = 2 + t4 * span / 8, out_at = 2 + m / 8;
+  const unsigned ls = lane * 8;
+  const int signs_at = 2 + t4 * span / 8;
+#endif
+  const unsigned lv = lane * 4 + 128;
+  const int out_at = 2 + m / 8;
   const int gi = (g * VSPAN) / vp.group;  // this lane's value group
   float m_run = -INFINITY, l = 0.f;
   float acc[MT][4];
@@ -119,6 +107,8 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
     int kt, vt;
     ch.next(smem, i, kt, vt);
     const int n = ch.rows(i);
+    float s[2][2];
+#ifdef KVQ_QJL_F16
     // Both token groups (nt: tokens 0-7, 8-15) per k step, so each projection fragment is read
     // from shared memory once per chunk (the kernel is bound by shared-memory traffic).
     float c[2][2][4];
@@ -145,7 +135,6 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
         }
       }
     }
-    float s[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
@@ -154,21 +143,16 @@ __device__ void qjl_fast_attend(const AttendArgs& a, const QjlKeyParams& kp,
         const int row = kt + tok * a.kcb;
         float sc = ((c[nt][0][e] + c[nt][1][e]) + (c[nt][0][2 + e] + c[nt][1][2 + e])) *
                    __half2float(__ushort_as_half((unsigned short)lds16(smem, row)));
-        if (O == 4) {
-          sc = qjl_outliers<D, 4>(smem, row + out_at, qs + g * D, sc);
-        } else if (O == 1) {
-          sc = qjl_outliers<D, 1>(smem, row + out_at, qs + g * D, sc);
-        } else {
-          for (int o = 0; o < O; o++) {
-            const int ch_ = smem[row + out_at + o];
-            const float v = __half2float(
-                __ushort_as_half((unsigned short)lds16(smem, row + out_at + O + 2 * o)));
-            if (ch_ < D) sc = fmaf(qs[g * D + ch_], v, sc);
-          }
-        }
+        sc = qjl_row_outliers<D>(smem, row, out_at, O, qs + g * D, sc);
         s[nt][e] = tok < n ? sc * a.scale : -INFINITY;
       }
     }
+#else
+    if (ht_count == 2)
+      qjl_i8_scores<D, 2>(smem, L, qs, kt, a.kcb, mpad, out_at, O, n, a.scale, s);
+    else
+      qjl_i8_scores<D, 1>(smem, L, qs, kt, a.kcb, mpad, out_at, O, n, a.scale, s);
+#endif
     float p[2][2];
     fast_softmax<MT>(s, m_run, l, acc, p, t4);
     const unsigned pb0 = pack_f2(p[0][0], p[0][1]), pb1 = pack_f2(p[1][0], p[1][1]);
