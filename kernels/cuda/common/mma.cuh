@@ -1,10 +1,10 @@
 // Tensor-core pieces of the decode attention (sm_80+): the m16n8k16 f16 mma with f32
-// accumulation, fragment packing, word loads from shared memory at any byte alignment, and the
-// per-warp asynchronous copy of a chunk of code rows. Fragment layouts (PTX ISA, mma.m16n8k16,
-// g = lane / 4, t = lane % 4): A a0 (row g, cols 2t, 2t+1), a1 (row g+8, same), a2 (row g,
-// cols 2t+8, 2t+9), a3 (row g+8, same); B b0 (rows 2t, 2t+1, col g), b1 (rows 2t+8, 2t+9, col g);
-// C c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same). The lower half of a register is the
-// lower column (A) or row (B).
+// accumulation (and the m16n8k32 s8 one with s32), fragment packing, word loads from shared
+// memory at any byte alignment, and the per-warp asynchronous copy of a chunk of code rows.
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4): A a0 (row g, cols 2t,
+// 2t+1), a1 (row g+8, same), a2 (row g, cols 2t+8, 2t+9), a3 (row g+8, same); B b0 (rows 2t,
+// 2t+1, col g), b1 (rows 2t+8, 2t+9, col g); C c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8,
+// same). The lower half of a register is the lower column (A) or row (B).
 #pragma once
 #include "attend.cuh"
 
