@@ -1,11 +1,11 @@
-// Version-6 fused decode attention of QJL (the frame of common/fast.cuh): one launch per layer
+// Version-7 fused decode attention of QJL (the frame of common/fast.cuh): one launch per layer
 // and decode step after the sketch projection. Keys (scores.cuh): s8 m16n8k32 mmas of the key's
 // sign bits (16 tokens as the A rows, +-1 bytes from a 16-word nibble table) against the query's
 // projection sqrt(pi/2)/m S q as two s8 columns per head (hi and lo parts, the k dimension padded
 // to a multiple of 64 with zeros), times the key norm, plus the exact outlier channels; values:
 // groupwise codes through a per-lane pair table of the codes as f16 integers, scaled and shifted
 // by the token's group scale and minimum in one f16x2 fma, summed by P V mmas. No rotation: the
-// merge adds the slots as they are. KVQ_QJL_F16 keeps version 5's keys for comparison (f16
+// merge adds the slots as they are. KVQ_QJL_F16 keeps version 6's keys for comparison (f16
 // m16n8k16 mmas, the projection split hi + lo as the A rows, two mmas per k step and chunk).
 #include "../common/fast.cuh"
 #include "../turboquant_mse/mma.cuh"
