@@ -290,12 +290,15 @@ mod tests {
                     "qjl d {d} m {m}"
                 );
             }
-            // VecInfer: per-position codebooks fit up to d = 128, shared ones everywhere.
+            // VecInfer: per-position codebooks fit up to d = 128, shared ones everywhere; at
+            // d = 256 the keys' per-position books alone fit (the `_vg` kernels).
             for sub in [4, 8] {
                 let cb = d / sub;
                 let shared = smem(d, Tables::books(2 * 256 * sub * 2), (nw, 3), (cb, cb));
                 let per_pos = smem(d, Tables::books(2 * d * 512), (nw, 3), (cb, cb));
+                let keys_only = smem(d, Tables::books(d * 512), (nw, 3), (cb, cb));
                 assert!(shared <= MAX_SMEM, "vq d {d} s {sub} shared");
+                assert!(keys_only <= MAX_SMEM, "vq d {d} s {sub} keys' books");
                 assert_eq!(
                     per_pos <= MAX_SMEM,
                     d <= 128,

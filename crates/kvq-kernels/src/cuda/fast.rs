@@ -2,7 +2,8 @@
 //! families: turboquant_mse/fast.cuh for TurboQuant-MSE, -RVQ (1 to 4 bits) and -Prod (stage of
 //! 1 to 3 bits, values of the stage's width or one more, sketch of dimension d); qjl/fast.cu for
 //! QJL (2- or 4-bit groupwise values, after the queries' sketch projection, one small launch);
-//! vecinfer/fast.cu for VecInfer (both codebooks in shared memory)).
+//! vecinfer/fast.cu for VecInfer (both codebooks in shared memory, or the keys' alone where both
+//! do not fit)).
 //! One launch per layer and decode step does the code splits, the exact fp16 rows (up to two
 //! segments, read in place: the sinks and the window) as one more block, and the split merge with
 //! the key center's logit shift, in the last block of each (row, kv head) to finish. The splits
@@ -70,6 +71,8 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
     if !enabled() || l.t != 1 || ![64, 128, 256].contains(&d) {
         return None;
     }
+    let nw = warps(d);
+    let fits = |t: Tables| smem(d, t, (nw, stages()), (k.row_bytes, v.row_bytes)) <= MAX_SMEM;
     let (module, name, tables) = match (&l.keys, &l.values) {
         (KeyArgs::Scalar(kp), ValueArgs::Scalar(vp))
             if kp.bits == vp.bits && (1..=4).contains(&kp.bits) =>
@@ -108,18 +111,28 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let m_pad = (kp.sketch.m as usize).div_ceil(64) * 64;
             ("qjl_fast", name, Tables::qjl(vb, m_pad))
         }
-        // Both codebooks (f16) in shared memory: per-position books at d = 256 do not fit.
+        // Both codebooks (f16) in shared memory; where they do not both fit (per-position books
+        // at d = 256, 256 KiB), the keys' alone and the values' read from global memory (`_vg`).
         (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
-            if kp.sub == vp.sub && (kp.sub == 4 || kp.sub == 8) && kp.books16 != 0 =>
+            if kp.sub == vp.sub
+                && (kp.sub == 4 || kp.sub == 8)
+                && kp.books16 != 0
+                && vp.books16 != 0 =>
         {
             let sub = kp.sub as usize;
-            let name = format!("kvq_fast_vq_d{d}_s{sub}");
-            let bytes = (kp.nb + vp.nb) as usize * 256 * sub * 2;
-            ("vecinfer_fast", name, Tables::books(bytes))
+            let book = |nb: i32| nb.max(0) as usize * 256 * sub * 2;
+            let both = Tables::books(book(kp.nb) + book(vp.nb));
+            if fits(both) {
+                ("vecinfer_fast", format!("kvq_fast_vq_d{d}_s{sub}"), both)
+            } else if d == 256 {
+                let keys = Tables::books(book(kp.nb));
+                ("vecinfer_fast", format!("kvq_fast_vq_d{d}_s{sub}_vg"), keys)
+            } else {
+                return None;
+            }
         }
         _ => return None,
     };
-    let nw = warps(d);
     let smem = smem(d, tables, (nw, stages()), (k.row_bytes, v.row_bytes));
     let group = l.n_heads / l.n_kv_heads;
     let gb = group.min(8);
