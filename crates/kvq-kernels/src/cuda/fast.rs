@@ -33,6 +33,14 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST").map_or(true, |v| v != "0"))
 }
 
+/// Whether VecInfer's per-position books at d = 256 (too large for shared memory together) run
+/// the `_vg` kernels, the values' centroids read from global memory, instead of the version-4
+/// kernels: opt-in (`KVQ_CUDA_FAST_VG=1`) until their parity run passes on a GPU.
+fn values_in_global() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST_VG").is_ok_and(|v| v == "1"))
+}
+
 /// A launch knob the kernels were compiled with (`-D` of the same name; defaults as in fast.cuh).
 fn knob(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -112,7 +120,8 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             ("qjl_fast", name, Tables::qjl(vb, m_pad))
         }
         // Both codebooks (f16) in shared memory; where they do not both fit (per-position books
-        // at d = 256, 256 KiB), the keys' alone and the values' read from global memory (`_vg`).
+        // at d = 256, 256 KiB), the keys' alone and the values' read from global memory (`_vg`,
+        // opt-in: `values_in_global`).
         (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
             if kp.sub == vp.sub
                 && (kp.sub == 4 || kp.sub == 8)
@@ -124,7 +133,7 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             let both = Tables::books(book(kp.nb) + book(vp.nb));
             if fits(both) {
                 ("vecinfer_fast", format!("kvq_fast_vq_d{d}_s{sub}"), both)
-            } else if d == 256 {
+            } else if d == 256 && values_in_global() {
                 let keys = Tables::books(book(kp.nb));
                 ("vecinfer_fast", format!("kvq_fast_vq_d{d}_s{sub}_vg"), keys)
             } else {
