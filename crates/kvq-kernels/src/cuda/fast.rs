@@ -34,11 +34,12 @@ fn enabled() -> bool {
 }
 
 /// Whether VecInfer's per-position books at d = 256 (too large for shared memory together) run
-/// the `_vg` kernels, the values' centroids read from global memory, instead of the version-4
-/// kernels: opt-in (`KVQ_CUDA_FAST_VG=1`) until their parity run passes on a GPU.
+/// the `_vg` kernels, the values' centroids read from global memory (the default since their
+/// parity run passed on an H100: docs/benchmarks/gpu-v8.md), or the version-4 kernels
+/// (`KVQ_CUDA_FAST_VG=0`, 3-9x slower there).
 fn values_in_global() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST_VG").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("KVQ_CUDA_FAST_VG").map_or(true, |v| v != "0"))
 }
 
 /// A launch knob the kernels were compiled with (`-D` of the same name; defaults as in fast.cuh).
@@ -120,8 +121,8 @@ pub(super) fn plan(l: &AttendLaunch, k: &CodeView, v: &CodeView) -> Option<FastP
             ("qjl_fast", name, Tables::qjl(vb, m_pad))
         }
         // Both codebooks (f16) in shared memory; where they do not both fit (per-position books
-        // at d = 256, 256 KiB), the keys' alone and the values' read from global memory (`_vg`,
-        // opt-in: `values_in_global`).
+        // at d = 256, 256 KiB), the keys' alone and the values' read from global memory (`_vg`:
+        // `values_in_global`).
         (KeyArgs::Vq(kp), ValueArgs::Vq(vp))
             if kp.sub == vp.sub
                 && (kp.sub == 4 || kp.sub == 8)
