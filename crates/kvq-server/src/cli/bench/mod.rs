@@ -188,6 +188,10 @@ pub struct BenchRow {
     pub rss_end_bytes: Option<u64>,
     /// The process's peak resident set (VmHWM) when the row was done.
     pub peak_rss_bytes: Option<u64>,
+    /// Memory in use on the GPU when the row was done, the last run's caches alive (CUDA: the
+    /// card's total less its free memory); `None` on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_used_bytes: Option<u64>,
     /// Whether the process measured this row alone (then its RSS numbers are this row's only).
     #[serde(default)]
     pub isolated: bool,
@@ -525,6 +529,7 @@ fn measure(
     // Read while the last run's caches are still alive.
     let rss_end_bytes = memory::rss_bytes();
     let peak_rss_bytes = memory::peak_rss_bytes();
+    let device_used_bytes = memory::device_used_bytes(model.device());
     Ok(BenchRow {
         engine: "kvq".into(),
         model: model_id.into(),
@@ -547,6 +552,7 @@ fn measure(
         rss_loaded_bytes: plan.rss_loaded,
         rss_end_bytes,
         peak_rss_bytes,
+        device_used_bytes,
         isolated: plan.isolated,
         measure_s: started.elapsed().as_secs_f64(),
         child_wall_s: None,

@@ -98,6 +98,11 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
         "RSS at end MiB",
         "peak RSS MiB",
     ]);
+    // GPU rows: the memory in use on the card (weights, caches, workspace).
+    let device_mem = rows.iter().any(|r| r.device_used_bytes.is_some());
+    if device_mem {
+        header.push("GPU used MiB");
+    }
     let llama_rss = rows.iter().any(|r| {
         r.llama_cpp
             .as_ref()
@@ -146,6 +151,9 @@ pub(super) fn render_table(rows: &[BenchRow]) -> String {
             Cell::new(fmt_mib(r.rss_end_bytes)),
             Cell::new(fmt_mib(r.peak_rss_bytes)),
         ]);
+        if device_mem {
+            cells.push(Cell::new(fmt_mib(r.device_used_bytes)));
+        }
         if llama_rss {
             cells.push(Cell::new(fmt_mib(l.and_then(|l| l.peak_rss_bytes))));
             cells.push(Cell::new(fmt_ratio(l.and_then(|l| l.rss_ratio))));

@@ -30,6 +30,7 @@ fn row(n: usize, threads: usize, pp: &[f64], tg: &[f64]) -> BenchRow {
         rss_loaded_bytes: Some(5),
         rss_end_bytes: Some(15),
         peak_rss_bytes: Some(20),
+        device_used_bytes: None,
         isolated: true,
         measure_s: 1.0,
         child_wall_s: None,
@@ -256,6 +257,34 @@ fn table_has_speed_and_memory_columns() {
         table.contains("each row measured in its own process") && table.contains("chunk 512"),
         "{table}"
     );
+    assert!(!table.contains("GPU used MiB"), "CPU rows:\n{table}");
+}
+
+/// GPU rows carry the memory in use on the card: a column of its own, in the JSON only when
+/// measured; the CPU has none to report.
+#[test]
+fn gpu_rows_show_the_memory_in_use_on_the_card() {
+    assert_eq!(memory::device_used_bytes(&candle_core::Device::Cpu), None);
+    let mut rows = two_methods();
+    for (r, mib) in rows.iter_mut().zip([20_000u64, 17_000, 17_500]) {
+        r.device = "cuda:0".into();
+        r.device_used_bytes = Some(mib << 20);
+    }
+    derive(&mut rows);
+    let table = render_table(&rows);
+    assert!(table.contains("GPU used MiB"), "{table}");
+    let tq = table
+        .lines()
+        .find(|l| l.contains("turboquant-mse-3bit") && l.contains(" 512 |"))
+        .unwrap_or_else(|| panic!("no 512 row:\n{table}"));
+    assert!(tq.contains("17000.0") && tq.contains("(cuda:0)"), "{tq}");
+    let v: serde_json::Value = serde_json::to_value(&rows).unwrap();
+    assert_eq!(
+        v[0]["device_used_bytes"],
+        serde_json::json!(20_000u64 << 20)
+    );
+    let cpu = serde_json::to_value(two_methods()).unwrap();
+    assert!(cpu[0].get("device_used_bytes").is_none(), "{}", cpu[0]);
 }
 
 #[test]
