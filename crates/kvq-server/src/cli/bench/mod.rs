@@ -189,7 +189,7 @@ pub struct BenchRow {
     /// The process's peak resident set (VmHWM) when the row was done.
     pub peak_rss_bytes: Option<u64>,
     /// Memory in use on the GPU when the row was done, the last run's caches alive (CUDA: the
-    /// card's total less its free memory); `None` on the CPU.
+    /// card's total less its free memory; Metal: the device's allocated size); `None` on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_used_bytes: Option<u64>,
     /// Whether the process measured this row alone (then its RSS numbers are this row's only).
